@@ -1,0 +1,111 @@
+#pragma once
+
+/// \file
+/// gwt::WaveletAdam: Adam with its moments kept only on the wavelet approximation subband of each
+/// eligible gradient (GWT, arXiv 2501.07237), a drop-in torch::optim optimizer.
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace gwt {
+
+/// Options of gwt::WaveletAdam, fluent like torch::optim::AdamWOptions.
+///
+/// A parameter is *eligible* for the wavelet path when level > 0, it has at least two dimensions and
+/// at least 2^level elements along `dim`; every other parameter takes the dense path (plain Adam
+/// with the same folded bias correction, eps and decoupled weight decay).
+struct WaveletAdamOptions : public torch::optim::OptimizerCloneableOptions<WaveletAdamOptions> {
+  WaveletAdamOptions(double lr = 1e-3);  // NOLINT(google-explicit-constructor): as torch::optim
+  /// Learning rate, finite and >= 0.
+  TORCH_ARG(double, lr) = 1e-3;
+  using betas_t = std::tuple<double, double>;
+  /// Moment decay rates, each in [0, 1).
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  /// Added to sqrt(v) (inside, not bias-corrected), finite and >= 0.
+  TORCH_ARG(double, eps) = 1e-6;
+  /// Decoupled weight decay, applied after the update as p -= lr * weight_decay * p.
+  TORCH_ARG(double, weight_decay) = 0;
+  /// Wavelet name (gwt::Wavelet::available()).
+  TORCH_ARG(std::string, wavelet) = "haar";
+  /// Decomposition levels; the moments shrink by 2^level along `dim`. 0 selects the dense path.
+  TORCH_ARG(int64_t, level) = 2;
+  /// Boundary mode: "zero", "periodization" or "symmetric".
+  TORCH_ARG(std::string, boundary) = "zero";
+  /// Multiplies the reconstructed update of wavelet parameters (the authors use 0.25).
+  TORCH_ARG(double, scale) = 1.0;
+  /// Norm-growth limiter gamma (from Fira); 0 disables it.
+  TORCH_ARG(double, norm_growth_limit) = 1.01;
+  /// Folds sqrt(1 - b2^t) / (1 - b1^t) into the step size.
+  TORCH_ARG(bool, correct_bias) = true;
+  /// Dimension the 1-D transform runs along; the others are batch dimensions.
+  TORCH_ARG(int64_t, dim) = -1;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override;
+  void set_lr(const double lr) override;
+  friend bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs);
+};
+
+/// Per-parameter state. For wavelet parameters exp_avg and exp_avg_sq have the approximation
+/// subband's shape; for dense ones the parameter's. Moments of float16/bfloat16 parameters are kept
+/// in float32.
+struct WaveletAdamParamState
+    : public torch::optim::OptimizerCloneableParamState<WaveletAdamParamState> {
+  TORCH_ARG(int64_t, step) = 0;
+  TORCH_ARG(at::Tensor, exp_avg);
+  TORCH_ARG(at::Tensor, exp_avg_sq);
+  /// The limiter's saved ||N||_F (0-dim); undefined until the first wavelet step.
+  TORCH_ARG(at::Tensor, norm);
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  friend bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& rhs);
+};
+
+/// Drop-in replacement for torch::optim::Adam / AdamW (see SPEC 1.1 for the exact rule).
+///
+/// - Each group's options are used exactly as given (LibTorch's add_param_group would replace a
+///   custom optimizer's options with the defaults; the constructor restores them). A group without
+///   options takes the defaults.
+/// - A step whose gradients hold a NaN or an infinity is skipped as a whole: no parameter or state
+///   changes, and skipped_steps() counts it (as AMP's GradScaler does).
+/// - Errors a caller can cause (bad options, sparse or mis-shaped gradients, ...) are thrown before
+///   anything changes.
+class WaveletAdam : public torch::optim::Optimizer {
+ public:
+  explicit WaveletAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                       WaveletAdamOptions defaults = {});
+  explicit WaveletAdam(std::vector<at::Tensor> params, WaveletAdamOptions defaults = {});
+
+  at::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// Bytes of optimizer state held for all parameters (tensors only: moments and limiter norm).
+  int64_t state_bytes() const;
+  /// Bytes of optimizer state held for one parameter (0 before its first step).
+  int64_t state_bytes(const at::Tensor& param) const;
+  /// Whether `param` takes the wavelet path under its group's options.
+  bool is_wavelet_param(const at::Tensor& param) const;
+  /// Steps skipped because a gradient was not finite.
+  int64_t skipped_steps() const { return skipped_steps_; }
+  /// The options of group i.
+  const WaveletAdamOptions& group_options(size_t i) const;
+
+ private:
+  int64_t skipped_steps_ = 0;
+};
+
+/// Throws a TORCH_CHECK error naming the first invalid option (and what would be valid).
+void validate_options(const WaveletAdamOptions& options);
+
+}  // namespace gwt

@@ -1,0 +1,492 @@
+#include "gwt/optim/wavelet_adam.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cmath>
+#include <memory>
+#include <unordered_set>
+#include <utility>
+
+#include "gwt/transform.h"
+#include "gwt/wavelet.h"
+
+namespace gwt {
+
+// ----------------------------------------------------------------------------------------------
+// Options and state
+// ----------------------------------------------------------------------------------------------
+
+WaveletAdamOptions::WaveletAdamOptions(double lr) : lr_(lr) {}
+
+double WaveletAdamOptions::get_lr() const { return lr(); }
+void WaveletAdamOptions::set_lr(const double lr) { this->lr(lr); }
+
+bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs) {
+  return lhs.lr() == rhs.lr() && lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
+         lhs.weight_decay() == rhs.weight_decay() && lhs.wavelet() == rhs.wavelet() &&
+         lhs.level() == rhs.level() && lhs.boundary() == rhs.boundary() &&
+         lhs.scale() == rhs.scale() && lhs.norm_growth_limit() == rhs.norm_growth_limit() &&
+         lhs.correct_bias() == rhs.correct_bias() && lhs.dim() == rhs.dim();
+}
+
+namespace {
+
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key,
+                       const char* what) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value), "gwt: ", what, " has no '", key,
+              "' entry; it was not written by gwt::WaveletAdam::save");
+  return value;
+}
+
+}  // namespace
+
+void WaveletAdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("lr", c10::IValue(lr()));
+  archive.write("beta1", c10::IValue(std::get<0>(betas())));
+  archive.write("beta2", c10::IValue(std::get<1>(betas())));
+  archive.write("eps", c10::IValue(eps()));
+  archive.write("weight_decay", c10::IValue(weight_decay()));
+  archive.write("wavelet", c10::IValue(wavelet()));
+  archive.write("level", c10::IValue(level()));
+  archive.write("boundary", c10::IValue(boundary()));
+  archive.write("scale", c10::IValue(scale()));
+  archive.write("norm_growth_limit", c10::IValue(norm_growth_limit()));
+  archive.write("correct_bias", c10::IValue(correct_bias()));
+  archive.write("dim", c10::IValue(dim()));
+}
+
+void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
+  const char* what = "saved WaveletAdamOptions";
+  lr(read_value(archive, "lr", what).toDouble());
+  betas(std::make_tuple(read_value(archive, "beta1", what).toDouble(),
+                        read_value(archive, "beta2", what).toDouble()));
+  eps(read_value(archive, "eps", what).toDouble());
+  weight_decay(read_value(archive, "weight_decay", what).toDouble());
+  wavelet(read_value(archive, "wavelet", what).toStringRef());
+  level(read_value(archive, "level", what).toInt());
+  boundary(read_value(archive, "boundary", what).toStringRef());
+  scale(read_value(archive, "scale", what).toDouble());
+  norm_growth_limit(read_value(archive, "norm_growth_limit", what).toDouble());
+  correct_bias(read_value(archive, "correct_bias", what).toBool());
+  dim(read_value(archive, "dim", what).toInt());
+}
+
+void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("step", c10::IValue(step()));
+  archive.write("exp_avg", exp_avg());
+  archive.write("exp_avg_sq", exp_avg_sq());
+  archive.write("has_norm", c10::IValue(norm().defined()));
+  if (norm().defined()) archive.write("norm", norm());
+}
+
+void WaveletAdamParamState::serialize(torch::serialize::InputArchive& archive) {
+  const char* what = "saved WaveletAdamParamState";
+  step(read_value(archive, "step", what).toInt());
+  at::Tensor tensor;
+  TORCH_CHECK(archive.try_read("exp_avg", tensor), "gwt: ", what, " has no exp_avg");
+  exp_avg(tensor);
+  TORCH_CHECK(archive.try_read("exp_avg_sq", tensor), "gwt: ", what, " has no exp_avg_sq");
+  exp_avg_sq(tensor);
+  if (read_value(archive, "has_norm", what).toBool()) {
+    TORCH_CHECK(archive.try_read("norm", tensor), "gwt: ", what, " has no norm");
+    norm(tensor);
+  } else {
+    norm(at::Tensor());
+  }
+}
+
+bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& rhs) {
+  auto same = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.defined() == b.defined() && (!a.defined() || at::equal(a, b));
+  };
+  return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
+         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.norm(), rhs.norm());
+}
+
+void validate_options(const WaveletAdamOptions& o) {
+  auto finite = [](double x) { return std::isfinite(x); };
+  TORCH_CHECK(finite(o.lr()) && o.lr() >= 0, "gwt::WaveletAdam: invalid learning rate ", o.lr(),
+              "; it must be finite and >= 0");
+  const auto [beta1, beta2] = o.betas();
+  TORCH_CHECK(finite(beta1) && beta1 >= 0 && beta1 < 1, "gwt::WaveletAdam: invalid beta1 ", beta1,
+              "; it must be in [0, 1)");
+  TORCH_CHECK(finite(beta2) && beta2 >= 0 && beta2 < 1, "gwt::WaveletAdam: invalid beta2 ", beta2,
+              "; it must be in [0, 1)");
+  TORCH_CHECK(finite(o.eps()) && o.eps() >= 0, "gwt::WaveletAdam: invalid eps ", o.eps(),
+              "; it must be finite and >= 0");
+  TORCH_CHECK(finite(o.weight_decay()) && o.weight_decay() >= 0,
+              "gwt::WaveletAdam: invalid weight_decay ", o.weight_decay(),
+              "; it must be finite and >= 0");
+  TORCH_CHECK(o.level() >= 0 && o.level() <= 30, "gwt::WaveletAdam: invalid level ", o.level(),
+              "; it must be in [0, 30] (0 = dense Adam)");
+  TORCH_CHECK(finite(o.scale()), "gwt::WaveletAdam: invalid scale ", o.scale(),
+              "; it must be finite");
+  TORCH_CHECK(finite(o.norm_growth_limit()) && o.norm_growth_limit() >= 0,
+              "gwt::WaveletAdam: invalid norm_growth_limit ", o.norm_growth_limit(),
+              "; it must be finite and >= 0 (0 disables the limiter)");
+  Wavelet(o.wavelet());                 // throws listing the valid names
+  boundary_mode_from_string(o.boundary());  // throws listing the valid modes
+}
+
+// ----------------------------------------------------------------------------------------------
+// Planning: what a parameter's step does, decided before anything changes
+// ----------------------------------------------------------------------------------------------
+
+namespace {
+
+const WaveletAdamOptions& options_of(const torch::optim::OptimizerParamGroup& group) {
+  return static_cast<const WaveletAdamOptions&>(group.options());
+}
+
+// The dtype the update is computed in, and the moments are kept in.
+at::ScalarType compute_dtype(const at::Tensor& param) {
+  return param.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_param(const at::Tensor& param) {
+  TORCH_CHECK(param.defined(), "gwt::WaveletAdam: got an undefined parameter tensor");
+  TORCH_CHECK(param.is_floating_point(),
+              "gwt::WaveletAdam: parameters must be float64, float32, float16 or bfloat16, got a ",
+              param.scalar_type(), " parameter of shape ", param.sizes(),
+              " (integer, bool and complex parameters are not supported)");
+  TORCH_CHECK(param.layout() == at::kStrided,
+              "gwt::WaveletAdam: parameters must be dense (strided) tensors, got layout ",
+              param.layout());
+}
+
+struct Plan {
+  bool wavelet = false;
+  int64_t dim = 0;                   // normalised transform dimension (wavelet only)
+  std::vector<int64_t> state_shape;  // shape of exp_avg / exp_avg_sq
+};
+
+Plan plan_for(const at::Tensor& param, const WaveletAdamOptions& o) {
+  Plan plan;
+  plan.state_shape = param.sizes().vec();
+  if (o.level() == 0 || param.dim() < 2) return plan;
+  TORCH_CHECK(o.dim() >= -param.dim() && o.dim() < param.dim(), "gwt::WaveletAdam: dim ", o.dim(),
+              " is out of range for a parameter of shape ", param.sizes(), " (valid: ", -param.dim(),
+              " to ", param.dim() - 1, ")");
+  const int64_t dim = o.dim() < 0 ? o.dim() + param.dim() : o.dim();
+  if (param.size(dim) < (int64_t{1} << o.level())) return plan;
+  plan.wavelet = true;
+  plan.dim = dim;
+  plan.state_shape[dim] = approx_len(param.size(dim), Wavelet(o.wavelet()), o.level(),
+                                     boundary_mode_from_string(o.boundary()));
+  return plan;
+}
+
+void check_state(const WaveletAdamParamState& state, const at::Tensor& param, const Plan& plan) {
+  for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()}) {
+    TORCH_CHECK(t->defined() && t->sizes().vec() == plan.state_shape,
+                "gwt::WaveletAdam: the state of a parameter of shape ", param.sizes(),
+                " has moments of shape ", t->defined() ? t->sizes().vec() : std::vector<int64_t>{},
+                " but its group's options need ", plan.state_shape,
+                " (were level, wavelet, boundary or dim changed after training started?)");
+  }
+  TORCH_CHECK(state.step() >= 0, "gwt::WaveletAdam: a saved step count is negative: ", state.step());
+  TORCH_CHECK(!state.norm().defined() || state.norm().numel() == 1,
+              "gwt::WaveletAdam: the limiter norm in the state must be a single value");
+}
+
+struct Work {
+  at::Tensor param;
+  const WaveletAdamOptions* options;
+  Plan plan;
+};
+
+// p -= lr * weight_decay * p, after the update (decoupled).
+void apply_weight_decay(at::Tensor& param, const WaveletAdamOptions& o) {
+  if (o.weight_decay() != 0) param.add_(param, -o.lr() * o.weight_decay());
+}
+
+// The reference update for one parameter, in readable ATen ops (SPEC 1.1 / 1.2).
+void update_param(const Work& work, WaveletAdamParamState& state) {
+  const WaveletAdamOptions& o = *work.options;
+  const at::ScalarType dtype = compute_dtype(work.param);
+  at::Tensor param = work.param.scalar_type() == dtype ? work.param : work.param.to(dtype);
+  const at::Tensor grad = work.param.grad().to(dtype);
+  const auto [beta1, beta2] = o.betas();
+
+  state.step(state.step() + 1);
+  const auto t = static_cast<double>(state.step());
+  double step_size = o.lr();
+  if (o.correct_bias()) step_size *= std::sqrt(1 - std::pow(beta2, t)) / (1 - std::pow(beta1, t));
+
+  if (!work.plan.wavelet) {
+    state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
+    state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+    const at::Tensor denom = state.exp_avg_sq().sqrt().add_(o.eps());
+    param.addcdiv_(state.exp_avg(), denom, -step_size);
+  } else {
+    const Wavelet wavelet(o.wavelet());
+    const BoundaryMode mode = boundary_mode_from_string(o.boundary());
+    const int64_t dim = work.plan.dim;
+    const int64_t n = param.size(dim);
+    WaveletCoeffs coeffs = wavedec(grad.movedim(dim, -1), wavelet, o.level(), -1, mode);
+    // Views of the state with the transform dimension last; updated in place.
+    at::Tensor exp_avg = state.exp_avg().movedim(dim, -1);
+    at::Tensor exp_avg_sq = state.exp_avg_sq().movedim(dim, -1);
+    const at::Tensor& approx = coeffs.approx;
+    exp_avg.mul_(beta1).add_(approx, 1 - beta1);
+    exp_avg_sq.mul_(beta2).addcmul_(approx, approx, 1 - beta2);
+    const at::Tensor denom = exp_avg_sq.sqrt().add_(o.eps());
+    at::Tensor normalized = exp_avg / denom;
+
+    // Norm-growth limiter (Fira): the step's ||N|| may grow by at most gamma per step. Kept as a
+    // 0-dim tensor so the step never waits for the device.
+    at::Tensor limit;  // undefined = 1
+    if (o.norm_growth_limit() > 0) {
+      const at::Tensor norm = normalized.norm();
+      if (!state.norm().defined()) {
+        state.norm(norm);
+      } else {
+        limit = at::clamp_min(norm / (state.norm() + 1e-8), o.norm_growth_limit()) /
+                o.norm_growth_limit();
+        normalized = normalized / limit;
+        state.norm(norm / limit);
+      }
+    }
+
+    // Details pass through, divided by the approximation's denominator: each coarse value covers
+    // 2^(L-k) detail coefficients at level k (coarsest first).
+    at::Tensor detail_denom = denom;
+    for (at::Tensor& detail : coeffs.details) {
+      at::Tensor d = detail_denom.narrow(-1, 0, detail.size(-1));
+      if (limit.defined()) d = d * limit;
+      detail = detail / d;
+      detail_denom = detail_denom.repeat_interleave(2, -1);
+    }
+    coeffs.approx = normalized;
+    const at::Tensor update = waverec(coeffs, wavelet, -1, mode, n).movedim(-1, dim);
+    param.add_(update, -step_size * o.scale());
+  }
+  apply_weight_decay(param, o);
+  if (!param.is_same(work.param)) work.param.copy_(param);
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// WaveletAdam
+// ----------------------------------------------------------------------------------------------
+
+WaveletAdam::WaveletAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                         WaveletAdamOptions defaults)
+    : Optimizer(param_groups, std::make_unique<WaveletAdamOptions>(defaults)) {
+  validate_options(defaults);
+  std::unordered_set<const void*> seen;
+  for (const auto i : c10::irange(param_groups.size())) {
+    // add_param_group may have replaced a custom group's options with the defaults: restore them.
+    if (param_groups[i].has_options()) {
+      const auto* given = dynamic_cast<const WaveletAdamOptions*>(&param_groups[i].options());
+      TORCH_CHECK(given != nullptr, "gwt::WaveletAdam: parameter group ", i,
+                  " has options of another optimizer; give it gwt::WaveletAdamOptions");
+      this->param_groups()[i].set_options(std::make_unique<WaveletAdamOptions>(*given));
+    }
+    const auto& options = options_of(this->param_groups()[i]);
+    validate_options(options);
+    for (const auto& param : this->param_groups()[i].params()) {
+      check_param(param);
+      TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, "gwt::WaveletAdam: a parameter of shape ",
+                  param.sizes(), " appears more than once (each parameter may be in one group once)");
+      plan_for(param, options);  // checks dim against the parameter's rank
+    }
+  }
+}
+
+WaveletAdam::WaveletAdam(std::vector<at::Tensor> params, WaveletAdamOptions defaults)
+    : WaveletAdam({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+const WaveletAdamOptions& WaveletAdam::group_options(size_t i) const {
+  TORCH_CHECK(i < param_groups().size(), "gwt::WaveletAdam: group ", i, " does not exist (there are ",
+              param_groups().size(), ")");
+  return options_of(param_groups()[i]);
+}
+
+at::Tensor WaveletAdam::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+
+  // Pass 1: check everything a caller can get wrong; nothing has changed yet.
+  std::vector<Work> work;
+  for (const auto i : c10::irange(param_groups().size())) {
+    const auto& group = param_groups()[i];
+    const WaveletAdamOptions& options = options_of(group);
+    validate_options(options);
+    for (const auto& param : group.params()) {
+      check_param(param);
+      const at::Tensor& grad = param.grad();
+      if (!grad.defined()) continue;
+      TORCH_CHECK(!grad.is_sparse() && grad.layout() == at::kStrided,
+                  "gwt::WaveletAdam does not support sparse gradients (parameter of shape ",
+                  param.sizes(), "); use a dense gradient, e.g. nn::Embedding without sparse=true");
+      TORCH_CHECK(grad.sizes() == param.sizes(), "gwt::WaveletAdam: gradient shape ", grad.sizes(),
+                  " does not match its parameter's shape ", param.sizes());
+      TORCH_CHECK(grad.is_floating_point(), "gwt::WaveletAdam: gradient dtype ", grad.scalar_type(),
+                  " is not floating point");
+      TORCH_CHECK(grad.device() == param.device(), "gwt::WaveletAdam: gradient on ", grad.device(),
+                  " but its parameter is on ", param.device());
+      Plan plan = plan_for(param, options);
+      auto it = state_.find(param.unsafeGetTensorImpl());
+      if (it != state_.end())
+        check_state(static_cast<const WaveletAdamParamState&>(*it->second), param, plan);
+      work.push_back({param, &options, std::move(plan)});
+    }
+  }
+  if (work.empty()) return loss;
+
+  // A NaN or infinity anywhere skips the whole step (one device sync for all gradients).
+  std::vector<at::Tensor> finite;
+  finite.reserve(work.size());
+  const at::Device first_device = work.front().param.device();
+  for (const auto& w : work) finite.push_back(at::isfinite(w.param.grad()).all().to(first_device));
+  if (!at::stack(finite).all().item<bool>()) {
+    ++skipped_steps_;
+    return loss;
+  }
+
+  // Pass 2: update.
+  for (const auto& w : work) {
+    auto& slot = state_[w.param.unsafeGetTensorImpl()];
+    if (!slot) {
+      auto state = std::make_unique<WaveletAdamParamState>();
+      const auto options = w.param.options().dtype(compute_dtype(w.param));
+      state->exp_avg(at::zeros(w.plan.state_shape, options));
+      state->exp_avg_sq(at::zeros(w.plan.state_shape, options));
+      slot = std::move(state);
+    }
+    update_param(w, static_cast<WaveletAdamParamState&>(*slot));
+  }
+  return loss;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Serialization: one nested archive per group, each holding its options and its parameters' state
+// by position. load() reads and checks everything before it changes anything.
+// ----------------------------------------------------------------------------------------------
+
+namespace {
+constexpr const char* k_format = "gwt.WaveletAdam.v1";
+std::string group_key(size_t i) { return "group_" + std::to_string(i); }
+std::string param_key(size_t j) { return "param_" + std::to_string(j); }
+}  // namespace
+
+void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("format", c10::IValue(std::string(k_format)));
+  archive.write("num_groups", c10::IValue(static_cast<int64_t>(param_groups().size())));
+  archive.write("skipped_steps", c10::IValue(skipped_steps_));
+  for (const auto i : c10::irange(param_groups().size())) {
+    const auto& group = param_groups()[i];
+    torch::serialize::OutputArchive group_archive(archive.compilation_unit());
+    torch::serialize::OutputArchive options_archive(archive.compilation_unit());
+    options_of(group).serialize(options_archive);
+    group_archive.write("options", options_archive);
+    group_archive.write("num_params", c10::IValue(static_cast<int64_t>(group.params().size())));
+    for (const auto j : c10::irange(group.params().size())) {
+      const at::Tensor& param = group.params()[j];
+      group_archive.write(param_key(j) + "_shape", c10::IValue(param.sizes().vec()));
+      auto it = state_.find(param.unsafeGetTensorImpl());
+      if (it == state_.end()) continue;
+      torch::serialize::OutputArchive state_archive(archive.compilation_unit());
+      static_cast<const WaveletAdamParamState&>(*it->second).serialize(state_archive);
+      group_archive.write(param_key(j), state_archive);
+    }
+    archive.write(group_key(i), group_archive);
+  }
+}
+
+void WaveletAdam::load(torch::serialize::InputArchive& archive) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read("format", value) && value.isString() && value.toStringRef() == k_format,
+              "gwt::WaveletAdam::load: not a ", k_format, " checkpoint (was it saved by another optimizer?)");
+  const int64_t num_groups = read_value(archive, "num_groups", "WaveletAdam checkpoint").toInt();
+  TORCH_CHECK(num_groups == static_cast<int64_t>(param_groups().size()),
+              "gwt::WaveletAdam::load: the checkpoint has ", num_groups,
+              " parameter groups but this optimizer has ", param_groups().size());
+  const int64_t skipped = read_value(archive, "skipped_steps", "WaveletAdam checkpoint").toInt();
+
+  std::vector<WaveletAdamOptions> loaded_options;
+  std::vector<std::pair<void*, std::unique_ptr<WaveletAdamParamState>>> loaded_state;
+  for (const auto i : c10::irange(param_groups().size())) {
+    const auto& group = param_groups()[i];
+    torch::serialize::InputArchive group_archive;
+    TORCH_CHECK(archive.try_read(group_key(i), group_archive), "gwt::WaveletAdam::load: group ", i,
+                " is missing from the checkpoint");
+    torch::serialize::InputArchive options_archive;
+    TORCH_CHECK(group_archive.try_read("options", options_archive),
+                "gwt::WaveletAdam::load: group ", i, " has no options in the checkpoint");
+    WaveletAdamOptions options;
+    options.serialize(options_archive);
+    validate_options(options);
+    const int64_t num_params = read_value(group_archive, "num_params", "WaveletAdam checkpoint").toInt();
+    TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()),
+                "gwt::WaveletAdam::load: group ", i, " has ", num_params,
+                " parameters in the checkpoint but ", group.params().size(), " here");
+    for (const auto j : c10::irange(group.params().size())) {
+      const at::Tensor& param = group.params()[j];
+      const auto saved_shape =
+          read_value(group_archive, param_key(j) + "_shape", "WaveletAdam checkpoint").toIntVector();
+      TORCH_CHECK(saved_shape == param.sizes().vec(), "gwt::WaveletAdam::load: parameter ", j,
+                  " of group ", i, " had shape ", saved_shape, " when saved but has shape ",
+                  param.sizes(), " here");
+      torch::serialize::InputArchive state_archive;
+      if (!group_archive.try_read(param_key(j), state_archive)) continue;
+      auto state = std::make_unique<WaveletAdamParamState>();
+      state->serialize(state_archive);
+      const Plan plan = plan_for(param, options);
+      check_state(*state, param, plan);
+      const auto target = param.options().dtype(compute_dtype(param));
+      state->exp_avg(state->exp_avg().to(target).contiguous());
+      state->exp_avg_sq(state->exp_avg_sq().to(target).contiguous());
+      if (state->norm().defined()) state->norm(state->norm().to(target).reshape({}));
+      loaded_state.emplace_back(param.unsafeGetTensorImpl(), std::move(state));
+    }
+    loaded_options.push_back(options);
+  }
+
+  // Everything checked: commit.
+  for (const auto i : c10::irange(param_groups().size()))
+    param_groups()[i].set_options(std::make_unique<WaveletAdamOptions>(loaded_options[i]));
+  state_.clear();
+  for (auto& [key, state] : loaded_state) state_[key] = std::move(state);
+  skipped_steps_ = skipped;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Reports
+// ----------------------------------------------------------------------------------------------
+
+int64_t WaveletAdam::state_bytes(const at::Tensor& param) const {
+  auto it = state_.find(param.unsafeGetTensorImpl());
+  if (it == state_.end()) return 0;
+  const auto& state = static_cast<const WaveletAdamParamState&>(*it->second);
+  int64_t bytes = 0;
+  for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq(), &state.norm()})
+    if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+  return bytes;
+}
+
+int64_t WaveletAdam::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& group : param_groups())
+    for (const auto& param : group.params()) bytes += state_bytes(param);
+  return bytes;
+}
+
+bool WaveletAdam::is_wavelet_param(const at::Tensor& param) const {
+  for (const auto& group : param_groups())
+    for (const auto& p : group.params())
+      if (p.is_same(param)) return plan_for(param, options_of(group)).wavelet;
+  TORCH_CHECK(false, "gwt::WaveletAdam::is_wavelet_param: the tensor is not a parameter of this optimizer");
+}
+
+}  // namespace gwt
