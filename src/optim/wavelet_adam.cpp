@@ -86,17 +86,16 @@ void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) 
 void WaveletAdamParamState::serialize(torch::serialize::InputArchive& archive) {
   const char* what = "saved WaveletAdamParamState";
   step(read_value(archive, "step", what).toInt());
-  at::Tensor tensor;
-  TORCH_CHECK(archive.try_read("exp_avg", tensor), "gwt: ", what, " has no exp_avg");
-  exp_avg(tensor);
-  TORCH_CHECK(archive.try_read("exp_avg_sq", tensor), "gwt: ", what, " has no exp_avg_sq");
-  exp_avg_sq(tensor);
-  if (read_value(archive, "has_norm", what).toBool()) {
-    TORCH_CHECK(archive.try_read("norm", tensor), "gwt: ", what, " has no norm");
-    norm(tensor);
-  } else {
-    norm(at::Tensor());
-  }
+  // InputArchive::read into a defined tensor overwrites that tensor in place: read each entry into
+  // a fresh one.
+  auto read_tensor = [&](const char* key) {
+    at::Tensor tensor;
+    TORCH_CHECK(archive.try_read(key, tensor), "gwt: ", what, " has no ", key);
+    return tensor;
+  };
+  exp_avg(read_tensor("exp_avg"));
+  exp_avg_sq(read_tensor("exp_avg_sq"));
+  norm(read_value(archive, "has_norm", what).toBool() ? read_tensor("norm") : at::Tensor());
 }
 
 bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& rhs) {
@@ -184,8 +183,8 @@ void check_state(const WaveletAdamParamState& state, const at::Tensor& param, co
   for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()}) {
     TORCH_CHECK(t->defined() && t->sizes().vec() == plan.state_shape,
                 "gwt::WaveletAdam: the state of a parameter of shape ", param.sizes(),
-                " has moments of shape ", t->defined() ? t->sizes().vec() : std::vector<int64_t>{},
-                " but its group's options need ", plan.state_shape,
+                " has moments of shape ", t->defined() ? t->sizes() : c10::IntArrayRef{},
+                " but its group's options need ", c10::IntArrayRef(plan.state_shape),
                 " (were level, wavelet, boundary or dim changed after training started?)");
   }
   TORCH_CHECK(state.step() >= 0, "gwt::WaveletAdam: a saved step count is negative: ", state.step());
@@ -436,7 +435,7 @@ void WaveletAdam::load(torch::serialize::InputArchive& archive) {
       const auto saved_shape =
           read_value(group_archive, param_key(j) + "_shape", "WaveletAdam checkpoint").toIntVector();
       TORCH_CHECK(saved_shape == param.sizes().vec(), "gwt::WaveletAdam::load: parameter ", j,
-                  " of group ", i, " had shape ", saved_shape, " when saved but has shape ",
+                  " of group ", i, " had shape ", c10::IntArrayRef(saved_shape), " when saved but has shape ",
                   param.sizes(), " here");
       torch::serialize::InputArchive state_archive;
       if (!group_archive.try_read(param_key(j), state_archive)) continue;

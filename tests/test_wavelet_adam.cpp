@@ -1,0 +1,437 @@
+// gwt::WaveletAdam against the GWT authors' optimizer and against the rule of SPEC 1.1/1.2 written
+// out in plain ATen ops here.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/serialize.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "gwt/gwt.h"
+#include "test_util.h"
+
+namespace {
+
+using gwt::WaveletAdam;
+using gwt::WaveletAdamOptions;
+using gwt::WaveletAdamParamState;
+using gwt_test::max_abs_diff;
+
+std::string temp_file(const std::string& name) {
+  return ::testing::TempDir() + "gwt_" + name + "_" + std::to_string(::getpid()) + ".pt";
+}
+
+at::Tensor make_param(at::IntArrayRef shape, at::ScalarType dtype = at::kDouble) {
+  return at::randn(shape, at::TensorOptions().dtype(dtype)).requires_grad_(true);
+}
+
+void set_grad(const at::Tensor& p, const at::Tensor& g) { p.mutable_grad() = g.to(p.scalar_type()).clone(); }
+
+const WaveletAdamParamState& state_of(WaveletAdam& opt, const at::Tensor& p) {
+  return static_cast<const WaveletAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The authors' WaveAdamW (tests/data/official_gwt_trajectories.txt)
+// ---------------------------------------------------------------------------------------------
+
+std::string header_value(const gwt_test::Record& rec, const std::string& key) {
+  for (const auto& word : rec.header)
+    if (word.rfind(key + "=", 0) == 0) return word.substr(key.size() + 1);
+  ADD_FAILURE() << "no " << key << " in config";
+  return "";
+}
+
+TEST(WaveletAdam, MatchesTheAuthorsOptimizerTrajectories) {
+  const auto records = gwt_test::read_records("official_gwt_trajectories.txt", "config");
+  ASSERT_GE(records.size(), 2u);
+  for (const auto& rec : records) {
+    SCOPED_TRACE(header_value(rec, "name"));
+    std::vector<int64_t> shape;
+    const std::string shape_text = header_value(rec, "shape");
+    for (size_t pos = 0; pos < shape_text.size();) {
+      const size_t comma = shape_text.find(',', pos);
+      shape.push_back(std::stoll(shape_text.substr(pos, comma - pos)));
+      pos = comma == std::string::npos ? shape_text.size() : comma + 1;
+    }
+    const int64_t steps = std::stoll(header_value(rec, "steps"));
+    at::Tensor p = gwt_test::to_tensor(rec.rows.at("p0")).view(shape).clone().requires_grad_(true);
+    WaveletAdam opt({p}, WaveletAdamOptions(std::stod(header_value(rec, "lr")))
+                             .level(std::stoll(header_value(rec, "level")))
+                             .scale(std::stod(header_value(rec, "scale")))
+                             .weight_decay(std::stod(header_value(rec, "wd")))
+                             .betas({0.9, 0.999})
+                             .eps(1e-6)
+                             .wavelet("haar")
+                             .boundary("zero"));
+    ASSERT_TRUE(opt.is_wavelet_param(p));
+    for (int64_t t = 1; t <= steps; ++t) {
+      set_grad(p, gwt_test::to_tensor(rec.rows.at("g" + std::to_string(t))).view(shape));
+      opt.step();
+      const at::Tensor expected = gwt_test::to_tensor(rec.rows.at("p" + std::to_string(t))).view(shape);
+      // Relative to each element, with a floor so that a value crossing zero does not blow up.
+      const double rel = gwt_test::max_rel_diff(p.detach(), expected, 1e-3);
+      EXPECT_LE(rel, 1e-10) << "step " << t;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rule of SPEC 1.1 / 1.2, written out independently of the optimizer's code
+// ---------------------------------------------------------------------------------------------
+
+struct SpecState {
+  at::Tensor m, v, norm;
+  int64_t t = 0;
+};
+
+// One step of SPEC 1.1 on p (float64), transform along `dim`.
+void spec_wavelet_step(at::Tensor& p, const at::Tensor& g, SpecState& s, const WaveletAdamOptions& o) {
+  const auto [b1, b2] = o.betas();
+  const gwt::Wavelet w(o.wavelet());
+  const auto mode = gwt::boundary_mode_from_string(o.boundary());
+  const int64_t dim = o.dim() < 0 ? o.dim() + p.dim() : o.dim();
+  const int64_t n = p.size(dim);
+  auto c = gwt::wavedec(g.movedim(dim, -1), w, o.level(), -1, mode);
+  if (!s.m.defined()) {
+    s.m = at::zeros_like(c.approx);
+    s.v = at::zeros_like(c.approx);
+  }
+  s.t += 1;
+  s.m = b1 * s.m + (1 - b1) * c.approx;
+  s.v = b2 * s.v + (1 - b2) * c.approx * c.approx;
+  const at::Tensor denom = at::sqrt(s.v) + o.eps();
+  at::Tensor N = s.m / denom;
+  const double step_size =
+      o.lr() * std::sqrt(1 - std::pow(b2, s.t)) / (1 - std::pow(b1, s.t));
+  double lim = 1.0;
+  const double gamma = o.norm_growth_limit();
+  if (gamma > 0) {
+    const double norm = N.norm().item<double>();
+    if (!s.norm.defined()) {
+      s.norm = at::scalar_tensor(norm, at::kDouble);
+    } else {
+      lim = std::max(norm / (s.norm.item<double>() + 1e-8), gamma) / gamma;
+      N = N / lim;
+      s.norm = at::scalar_tensor(norm / lim, at::kDouble);
+    }
+  }
+  at::Tensor d = denom;
+  for (auto& D : c.details) {
+    D = D / (d.slice(-1, 0, D.size(-1)) * lim);
+    d = at::repeat_interleave(d, 2, -1);
+  }
+  c.approx = N;
+  const at::Tensor U = gwt::waverec(c, w, -1, mode).slice(-1, 0, n) * o.scale();
+  p = p - step_size * U.movedim(-1, dim);
+  p = p - o.lr() * o.weight_decay() * p;
+}
+
+TEST(WaveletAdam, FollowsTheSpecRuleForOtherWaveletsModesAndDims) {
+  at::manual_seed(7);
+  struct Case {
+    std::string wavelet, boundary;
+    int64_t level, dim;
+    std::vector<int64_t> shape;
+    double gamma;
+  };
+  const std::vector<Case> cases = {
+      {"db2", "zero", 2, -1, {6, 37}, 1.01},           {"db2", "periodization", 3, 0, {40, 3}, 1.01},
+      {"sym3", "symmetric", 1, 1, {2, 21, 5}, 1.05},    {"haar", "zero", 3, -1, {4, 3, 29}, 0.0},
+      {"coif1", "periodization", 2, -1, {5, 64}, 1.01},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.wavelet + " " + c.boundary + " L=" + std::to_string(c.level));
+    const auto o = WaveletAdamOptions(0.02)
+                       .wavelet(c.wavelet)
+                       .boundary(c.boundary)
+                       .level(c.level)
+                       .dim(c.dim)
+                       .scale(0.5)
+                       .weight_decay(0.05)
+                       .norm_growth_limit(c.gamma);
+    at::Tensor p = make_param(c.shape);
+    at::Tensor expected = p.detach().clone();
+    WaveletAdam opt({p}, o);
+    SpecState spec;
+    for (int t = 0; t < 6; ++t) {
+      // Growing gradients make the limiter act.
+      const at::Tensor g = at::randn(c.shape, at::kDouble) * (1 + 3 * t);
+      set_grad(p, g);
+      opt.step();
+      spec_wavelet_step(expected, g, spec, o);
+      EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-12) << "step " << t;
+    }
+    EXPECT_TRUE(at::allclose(state_of(opt, p).exp_avg(), spec.m.movedim(-1, o.dim() < 0 ? o.dim() + p.dim() : o.dim())));
+  }
+}
+
+TEST(WaveletAdam, DensePathIsAdamWithFoldedBiasCorrection) {
+  at::manual_seed(8);
+  const auto o = WaveletAdamOptions(0.01).weight_decay(0.1).eps(1e-6);
+  // A bias (1-D), a matrix shorter than 2^level along dim, and a level-0 group are all dense.
+  at::Tensor bias = make_param({7});
+  at::Tensor narrow = make_param({5, 3});
+  at::Tensor level0 = make_param({4, 16});
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{bias, narrow}, std::make_unique<WaveletAdamOptions>(o));
+  groups.emplace_back(std::vector<at::Tensor>{level0},
+                      std::make_unique<WaveletAdamOptions>(WaveletAdamOptions(o).level(0)));
+  WaveletAdam opt(std::move(groups), o);
+  for (const auto& p : {bias, narrow, level0}) {
+    EXPECT_FALSE(opt.is_wavelet_param(p));
+    at::Tensor expected = p.detach().clone();
+    at::Tensor m = at::zeros_like(expected), v = at::zeros_like(expected);
+    for (int t = 1; t <= 3; ++t) {
+      const at::Tensor g = at::randn(p.sizes(), at::kDouble);
+      set_grad(p, g);
+      opt.step();
+      m = 0.9 * m + 0.1 * g;
+      v = 0.999 * v + 0.001 * g * g;
+      const double step_size = 0.01 * std::sqrt(1 - std::pow(0.999, t)) / (1 - std::pow(0.9, t));
+      expected = expected - step_size * m / (at::sqrt(v) + 1e-6);
+      expected = expected - 0.01 * 0.1 * expected;
+      EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-14);
+      p.mutable_grad() = at::Tensor();  // only this parameter steps
+    }
+    EXPECT_EQ(state_of(opt, p).exp_avg().sizes(), p.sizes());
+  }
+}
+
+TEST(WaveletAdam, CorrectBiasOffUsesThePlainLearningRate) {
+  at::Tensor p = make_param({3});
+  at::Tensor expected = p.detach().clone();
+  WaveletAdam opt({p}, WaveletAdamOptions(0.1).correct_bias(false));
+  const at::Tensor g = at::randn({3}, at::kDouble);
+  set_grad(p, g);
+  opt.step();
+  expected -= 0.1 * (0.1 * g) / (at::sqrt(0.001 * g * g) + 1e-6);
+  EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-15);
+}
+
+// ---------------------------------------------------------------------------------------------
+// torch::optim behaviour: groups, schedulers, closures, save/load, memory report
+// ---------------------------------------------------------------------------------------------
+
+TEST(WaveletAdam, GroupsKeepTheirOwnLevelAndLr) {
+  at::manual_seed(9);
+  at::Tensor a = make_param({4, 32}), b = make_param({4, 32});
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{a},
+                      std::make_unique<WaveletAdamOptions>(WaveletAdamOptions(0.01).level(1)));
+  groups.emplace_back(std::vector<at::Tensor>{b},
+                      std::make_unique<WaveletAdamOptions>(WaveletAdamOptions(0.001).level(3)));
+  WaveletAdam opt(std::move(groups), WaveletAdamOptions(0.5).level(2));
+  EXPECT_EQ(opt.group_options(0).level(), 1);
+  EXPECT_EQ(opt.group_options(0).lr(), 0.01);
+  EXPECT_EQ(opt.group_options(1).level(), 3);
+  EXPECT_EQ(opt.group_options(1).lr(), 0.001);
+
+  // Each group steps exactly like an optimizer built with that group's options alone.
+  at::Tensor a2 = a.detach().clone().requires_grad_(true), b2 = b.detach().clone().requires_grad_(true);
+  WaveletAdam alone_a({a2}, WaveletAdamOptions(0.01).level(1));
+  WaveletAdam alone_b({b2}, WaveletAdamOptions(0.001).level(3));
+  for (int t = 0; t < 3; ++t) {
+    const at::Tensor ga = at::randn({4, 32}, at::kDouble), gb = at::randn({4, 32}, at::kDouble);
+    set_grad(a, ga), set_grad(a2, ga), set_grad(b, gb), set_grad(b2, gb);
+    opt.step(), alone_a.step(), alone_b.step();
+  }
+  EXPECT_TRUE(at::equal(a, a2));
+  EXPECT_TRUE(at::equal(b, b2));
+  EXPECT_EQ(state_of(opt, a).exp_avg().size(1), 16);
+  EXPECT_EQ(state_of(opt, b).exp_avg().size(1), 4);
+}
+
+TEST(WaveletAdam, GroupWithoutOptionsTakesTheDefaults) {
+  at::Tensor a = make_param({4, 32});
+  WaveletAdam opt(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup({a})},
+                  WaveletAdamOptions(0.03).level(3));
+  EXPECT_EQ(opt.group_options(0).lr(), 0.03);
+  EXPECT_EQ(opt.group_options(0).level(), 3);
+}
+
+TEST(WaveletAdam, StepLRChangesTheLrItShould) {
+  at::manual_seed(10);
+  at::Tensor p = make_param({4, 16});
+  at::Tensor q = p.detach().clone().requires_grad_(true);
+  WaveletAdam opt({p}, WaveletAdamOptions(0.1));
+  WaveletAdam manual({q}, WaveletAdamOptions(0.1));
+  // The same schedule on LibTorch's own AdamW gives the lr sequence to expect.
+  at::Tensor r = at::zeros({1}, at::kDouble).requires_grad_(true);
+  torch::optim::AdamW adamw({r}, torch::optim::AdamWOptions(0.1));
+  torch::optim::StepLR scheduler(opt, /*step_size=*/2, /*gamma=*/0.5);
+  torch::optim::StepLR adamw_scheduler(adamw, /*step_size=*/2, /*gamma=*/0.5);
+  for (int t = 0; t < 7; ++t) {
+    const double expected_lr = adamw.param_groups()[0].options().get_lr();
+    EXPECT_EQ(opt.group_options(0).lr(), expected_lr) << "epoch " << t;
+    manual.param_groups()[0].options().set_lr(expected_lr);
+    const at::Tensor g = at::randn({4, 16}, at::kDouble);
+    set_grad(p, g), set_grad(q, g);
+    opt.step(), manual.step();
+    scheduler.step(), adamw_scheduler.step();
+    EXPECT_TRUE(at::equal(p, q)) << "epoch " << t;
+  }
+  // Seven scheduler steps with step_size 2 halve the lr three times (LibTorch's count).
+  EXPECT_DOUBLE_EQ(opt.group_options(0).lr(), 0.1 / 8);
+}
+
+TEST(WaveletAdam, ClosureIsEvaluatedWithGradEnabled) {
+  at::manual_seed(11);
+  at::Tensor w = make_param({4, 8});
+  const at::Tensor x = at::randn({8, 3}, at::kDouble);
+  WaveletAdam opt({w}, WaveletAdamOptions(0.01));
+  const at::Tensor before = w.detach().clone();
+  const at::Tensor loss = opt.step([&] {
+    opt.zero_grad();
+    at::Tensor l = at::mm(w, x).pow(2).sum();
+    l.backward();
+    return l;
+  });
+  EXPECT_NEAR(loss.item<double>(), at::mm(before, x).pow(2).sum().item<double>(), 1e-12);
+  EXPECT_FALSE(at::equal(before, w.detach()));
+}
+
+// Trains `steps` steps with seeded gradients on a two-group optimizer.
+void train(WaveletAdam& opt, const std::vector<at::Tensor>& params, int steps, int64_t seed) {
+  at::manual_seed(seed);
+  for (int t = 0; t < steps; ++t) {
+    for (const auto& p : params) set_grad(p, at::randn(p.sizes(), at::kDouble) * (1 + t));
+    opt.step();
+  }
+}
+
+std::vector<torch::optim::OptimizerParamGroup> two_groups(const std::vector<at::Tensor>& params) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{params[0], params[1]},
+                      std::make_unique<WaveletAdamOptions>(
+                          WaveletAdamOptions(0.01).wavelet("db2").level(2).scale(0.25)));
+  groups.emplace_back(std::vector<at::Tensor>{params[2]},
+                      std::make_unique<WaveletAdamOptions>(WaveletAdamOptions(0.003).level(0).weight_decay(0.1)));
+  return groups;
+}
+
+std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone().requires_grad_(true));
+  return out;
+}
+
+TEST(WaveletAdam, SaveLoadContinuesBitIdentically) {
+  at::manual_seed(12);
+  const std::vector<at::Tensor> params = {make_param({8, 40}), make_param({3, 6, 17}), make_param({9})};
+  const std::vector<at::Tensor> copy = clone_params(params);
+  WaveletAdam uninterrupted(two_groups(params));
+  train(uninterrupted, params, 5, 100);
+  train(uninterrupted, params, 5, 200);
+
+  WaveletAdam first(two_groups(copy));
+  train(first, copy, 5, 100);
+  const std::string path = temp_file("saveload");
+  torch::save(first, path);
+  // A fresh optimizer, with different options that the checkpoint must replace.
+  const std::vector<at::Tensor> resumed = clone_params(copy);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{resumed[0], resumed[1]});
+  groups.emplace_back(std::vector<at::Tensor>{resumed[2]});
+  WaveletAdam second(std::move(groups), WaveletAdamOptions(0.5));
+  torch::load(second, path);
+  std::remove(path.c_str());
+  EXPECT_EQ(second.group_options(0), first.group_options(0));
+  EXPECT_EQ(second.group_options(1), first.group_options(1));
+  for (size_t i = 0; i < resumed.size(); ++i)
+    EXPECT_TRUE(state_of(second, resumed[i]) == state_of(first, copy[i])) << "param " << i;
+  train(second, resumed, 5, 200);
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(resumed[i], params[i])) << "param " << i;
+}
+
+TEST(WaveletAdam, StateBytesReportsAQuarterAtTwoLevels) {
+  at::Tensor w = make_param({512, 512}, at::kFloat), b = make_param({512}, at::kFloat);
+  WaveletAdam opt({w, b}, WaveletAdamOptions().level(2));
+  EXPECT_EQ(opt.state_bytes(), 0);
+  set_grad(w, at::randn({512, 512})), set_grad(b, at::randn({512}));
+  opt.step();
+  const int64_t wavelet_bytes = 2 * 512 * 128 * 4 + 4;  // two quarter-size moments + limiter norm
+  EXPECT_EQ(opt.state_bytes(w), wavelet_bytes);
+  EXPECT_EQ(opt.state_bytes(b), 2 * 512 * 4);
+  EXPECT_EQ(opt.state_bytes(), wavelet_bytes + 2 * 512 * 4);
+}
+
+TEST(WaveletAdam, HalfPrecisionParamsKeepFloatMoments) {
+  at::manual_seed(13);
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    at::Tensor p = make_param({8, 64}, at::kFloat);
+    at::Tensor low = p.detach().to(dtype).requires_grad_(true);
+    at::Tensor full = low.detach().to(at::kFloat).requires_grad_(true);
+    WaveletAdam opt_low({low}, WaveletAdamOptions(0.01)), opt_full({full}, WaveletAdamOptions(0.01));
+    const at::Tensor g = at::randn({8, 64});
+    set_grad(low, g), set_grad(full, g.to(dtype).to(at::kFloat));
+    opt_low.step(), opt_full.step();
+    EXPECT_EQ(low.scalar_type(), dtype);
+    EXPECT_EQ(state_of(opt_low, low).exp_avg().scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(low, full.detach().to(dtype)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Module helper
+// ---------------------------------------------------------------------------------------------
+
+struct TinyBlockImpl : torch::nn::Module {
+  TinyBlockImpl()
+      : q_proj(register_module("q_proj", torch::nn::Linear(16, 16))),
+        up_proj(register_module("up_proj", torch::nn::Linear(16, 32))) {}
+  torch::nn::Linear q_proj, up_proj;
+};
+TORCH_MODULE(TinyBlock);
+
+struct TinyModelImpl : torch::nn::Module {
+  TinyModelImpl()
+      : embed(register_module("embed", torch::nn::Embedding(50, 16))),
+        block(register_module("block", TinyBlock())),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})))),
+        lm_head(register_module("lm_head", torch::nn::Linear(16, 50))) {}
+  torch::nn::Embedding embed;
+  TinyBlock block;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear lm_head;
+};
+TORCH_MODULE(TinyModel);
+
+TEST(ParamGroups, PaperGroupingPutsLinearWeightsInTheWaveletGroup) {
+  TinyModel model;
+  std::vector<std::string> wavelet, dense;
+  for (const auto& a : gwt::assign_param_groups(*model)) (a.wavelet ? wavelet : dense).push_back(a.name);
+  EXPECT_EQ(wavelet, (std::vector<std::string>{"block.q_proj.weight", "block.up_proj.weight"}));
+  EXPECT_EQ(dense, (std::vector<std::string>{"embed.weight", "block.q_proj.bias", "block.up_proj.bias",
+                                             "norm.weight", "norm.bias", "lm_head.weight", "lm_head.bias"}));
+
+  const auto groups = gwt::paper_param_groups(*model, WaveletAdamOptions(0.01).level(3));
+  WaveletAdam opt(groups);
+  ASSERT_EQ(opt.param_groups().size(), 2u);
+  EXPECT_EQ(opt.group_options(0).level(), 3);
+  EXPECT_EQ(opt.group_options(1).level(), 0);
+  EXPECT_EQ(opt.group_options(1).lr(), 0.01);
+  EXPECT_TRUE(opt.is_wavelet_param(model->block->q_proj->weight));
+  EXPECT_FALSE(opt.is_wavelet_param(model->lm_head->weight));
+}
+
+TEST(ParamGroups, OverridesByName) {
+  TinyModel model;
+  gwt::ParamGroupRules rules;
+  rules.force_dense = {"up_proj"};
+  rules.force_wavelet = {"lm_head.weight"};
+  std::vector<std::string> wavelet;
+  for (const auto& a : gwt::assign_param_groups(*model, rules))
+    if (a.wavelet) wavelet.push_back(a.name);
+  EXPECT_EQ(wavelet, (std::vector<std::string>{"block.q_proj.weight", "lm_head.weight"}));
+}
+
+}  // namespace
