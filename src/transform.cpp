@@ -26,8 +26,12 @@ at::ScalarType transform_compute_dtype(at::ScalarType dtype) {
 
 namespace {
 
-int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
-int64_t positive_mod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
+int64_t floor_div(int64_t a, int64_t b) {
+  return a / b - ((a % b != 0) && ((a < 0) != (b < 0)));
+}
+int64_t positive_mod(int64_t a, int64_t m) {
+  return ((a % m) + m) % m;
+}
 
 // Where sample t of the extended signal comes from, for a signal of length n. Zero mode points
 // outside samples at slot n, which the caller fills with a zero.
@@ -65,15 +69,16 @@ std::pair<at::Tensor, at::Tensor> dwt_rows(const at::Tensor& x, const Wavelet& w
   const int64_t offset = mode == BoundaryMode::periodization ? 1 - taps / 2 : 2 - taps;
   std::vector<int64_t> idx(static_cast<size_t>(len * taps));
   for (int64_t o = 0; o < len; ++o)
-    for (int64_t k = 0; k < taps; ++k) idx[o * taps + k] = source_index(2 * o + k + offset, n, mode);
+    for (int64_t k = 0; k < taps; ++k)
+      idx[o * taps + k] = source_index(2 * o + k + offset, n, mode);
   at::Tensor source = x;
   if (mode == BoundaryMode::zero) source = at::cat({x, at::zeros({rows, 1}, x.options())}, 1);
   const at::Tensor windows =
       source.index_select(1, index_tensor(idx, x.device())).view({rows, len, taps});
-  const at::Tensor bank =
-      at::stack({at::tensor(wavelet.rec_lo(), at::kDouble), at::tensor(wavelet.rec_hi(), at::kDouble)},
-                1)
-          .to(x.options());  // [F, 2]
+  const at::Tensor bank = at::stack({at::tensor(wavelet.rec_lo(), at::kDouble),
+                                     at::tensor(wavelet.rec_hi(), at::kDouble)},
+                                    1)
+                              .to(x.options());         // [F, 2]
   const at::Tensor coeffs = at::matmul(windows, bank);  // [rows, len, 2]
   return {coeffs.select(2, 0).contiguous(), coeffs.select(2, 1).contiguous()};
 }
@@ -90,15 +95,16 @@ at::Tensor idwt_rows(const at::Tensor& approx, const at::Tensor& detail, const W
   const int64_t q_lo = floor_div(-phase, 2), q_hi = floor_div(taps - phase, 2);
   const int64_t window = q_hi - q_lo + 1;
   const int64_t outputs = periodic ? len : len - taps / 2 + 1;
-  TORCH_CHECK(outputs >= 1, "gwt: idwt with wavelet ", wavelet.name(), " needs at least ",
-              taps / 2, " coefficients per subband in mode ", to_string(mode), ", got ", len);
+  TORCH_CHECK(outputs >= 1, "gwt: idwt with wavelet ", wavelet.name(), " needs at least ", taps / 2,
+              " coefficients per subband in mode ", to_string(mode), ", got ", len);
 
   std::vector<int64_t> idx(static_cast<size_t>(outputs * window));
   for (int64_t m = 0; m < outputs; ++m)
     for (int64_t q = q_lo; q <= q_hi; ++q) {
       const int64_t t = m + q;
       // Out-of-range taps only occur where the filter weight below is zero; clamp them.
-      idx[m * window + (q - q_lo)] = periodic ? positive_mod(t, len) : std::clamp<int64_t>(t, 0, len - 1);
+      idx[m * window + (q - q_lo)] =
+          periodic ? positive_mod(t, len) : std::clamp<int64_t>(t, 0, len - 1);
     }
   std::vector<double> bank(static_cast<size_t>(2 * window * 2), 0.0);  // [2 * window, 2]
   for (int64_t q = q_lo; q <= q_hi; ++q)
@@ -109,11 +115,11 @@ at::Tensor idwt_rows(const at::Tensor& approx, const at::Tensor& detail, const W
       bank[((window + q - q_lo)) * 2 + e] = wavelet.dec_hi()[j];
     }
   const at::Tensor index = index_tensor(idx, approx.device());
-  const at::Tensor windows =
-      at::cat({approx.index_select(1, index).view({rows, outputs, window}),
-               detail.index_select(1, index).view({rows, outputs, window})},
-              2);
-  const at::Tensor weights = at::tensor(bank, at::kDouble).view({2 * window, 2}).to(approx.options());
+  const at::Tensor windows = at::cat({approx.index_select(1, index).view({rows, outputs, window}),
+                                      detail.index_select(1, index).view({rows, outputs, window})},
+                                     2);
+  const at::Tensor weights =
+      at::tensor(bank, at::kDouble).view({2 * window, 2}).to(approx.options());
   return at::matmul(windows, weights).view({rows, 2 * outputs});
 }
 
@@ -140,8 +146,8 @@ at::Tensor from_rows(const at::Tensor& rows, const at::Tensor& like, int64_t dim
 
 void check_transform_input(const at::Tensor& x) {
   detail::transform_compute_dtype(x.scalar_type());
-  TORCH_CHECK(x.layout() == at::kStrided, "gwt: wavelet transforms need a dense (strided) tensor, got layout ",
-              x.layout());
+  TORCH_CHECK(x.layout() == at::kStrided,
+              "gwt: wavelet transforms need a dense (strided) tensor, got layout ", x.layout());
 }
 
 }  // namespace
@@ -159,11 +165,13 @@ at::Tensor idwt(const at::Tensor& approx, const at::Tensor& detail, const Wavele
   dim = checked_dim(approx, dim, "idwt");
   check_transform_input(approx);
   check_transform_input(detail);
-  TORCH_CHECK(approx.sizes() == detail.sizes(), "gwt: idwt needs approximation and detail of one shape, got ",
-              approx.sizes(), " and ", detail.sizes());
+  TORCH_CHECK(approx.sizes() == detail.sizes(),
+              "gwt: idwt needs approximation and detail of one shape, got ", approx.sizes(),
+              " and ", detail.sizes());
   TORCH_CHECK(approx.scalar_type() == detail.scalar_type() && approx.device() == detail.device(),
               "gwt: idwt needs approximation and detail of one dtype and device");
-  return from_rows(idwt_rows(to_rows(approx, dim), to_rows(detail, dim), wavelet, mode), approx, dim);
+  return from_rows(idwt_rows(to_rows(approx, dim), to_rows(detail, dim), wavelet, mode), approx,
+                   dim);
 }
 
 WaveletCoeffs wavedec(const at::Tensor& x, const Wavelet& wavelet, int64_t level, int64_t dim,
@@ -198,10 +206,11 @@ at::Tensor waverec(const WaveletCoeffs& coeffs, const Wavelet& wavelet, int64_t 
     const at::Tensor& d = coeffs.details[k];
     checked_dim(d, dim, "waverec");
     check_transform_input(d);
-    TORCH_CHECK(d.dim() == approx.dim() && d.scalar_type() == approx.scalar_type() &&
-                    d.device() == approx.device(),
-                "gwt: waverec needs every subband with the approximation's rank, dtype and device; detail ",
-                k, " differs");
+    TORCH_CHECK(
+        d.dim() == approx.dim() && d.scalar_type() == approx.scalar_type() &&
+            d.device() == approx.device(),
+        "gwt: waverec needs every subband with the approximation's rank, dtype and device; detail ",
+        k, " differs");
     auto d_lead = d.movedim(dim, -1).sizes().vec();
     const int64_t d_len = d_lead.back();
     d_lead.pop_back();
@@ -210,8 +219,8 @@ at::Tensor waverec(const WaveletCoeffs& coeffs, const Wavelet& wavelet, int64_t 
     // PyWavelets: a partial reconstruction one longer than the next detail loses its last sample.
     if (rows.size(1) == d_len + 1) rows = rows.narrow(1, 0, d_len);
     TORCH_CHECK(rows.size(1) == d_len, "gwt: waverec coefficient lengths do not fit: detail ", k,
-                " (coarsest first) has ", d_len, " coefficients along dim ", dim, " but the coarser level gives ",
-                rows.size(1));
+                " (coarsest first) has ", d_len, " coefficients along dim ", dim,
+                " but the coarser level gives ", rows.size(1));
     rows = idwt_rows(rows, to_rows(d, dim), wavelet, mode);
   }
   if (length.has_value()) {

@@ -18,7 +18,9 @@ std::string join(const std::vector<std::string>& names) {
 
 }  // namespace
 
-std::vector<std::string> boundary_mode_names() { return {"zero", "periodization", "symmetric"}; }
+std::vector<std::string> boundary_mode_names() {
+  return {"zero", "periodization", "symmetric"};
+}
 
 BoundaryMode boundary_mode_from_string(const std::string& name) {
   if (name == "zero") return BoundaryMode::zero;

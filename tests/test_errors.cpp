@@ -28,7 +28,8 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
     ADD_FAILURE() << "no error; expected one mentioning " << words.front();
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
-    for (const auto& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "'" << w << "' not in: " << msg;
+    for (const auto& w : words)
+      EXPECT_NE(msg.find(w), std::string::npos) << "'" << w << "' not in: " << msg;
   }
 }
 
@@ -50,7 +51,8 @@ struct Fixture {
   std::vector<at::Tensor> current() {
     std::vector<at::Tensor> out = {w.detach().clone(), b.detach().clone()};
     for (const auto& p : {w, b}) {
-      const auto& s = static_cast<const WaveletAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+      const auto& s =
+          static_cast<const WaveletAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
       out.push_back(s.exp_avg().clone());
       out.push_back(s.exp_avg_sq().clone());
       out.push_back(at::scalar_tensor(static_cast<double>(s.step()), at::kDouble));
@@ -61,15 +63,18 @@ struct Fixture {
   void expect_unchanged() {
     const auto now = current();
     ASSERT_EQ(now.size(), snapshot.size());
-    for (size_t i = 0; i < now.size(); ++i) EXPECT_TRUE(at::equal(now[i], snapshot[i])) << "tensor " << i;
+    for (size_t i = 0; i < now.size(); ++i)
+      EXPECT_TRUE(at::equal(now[i], snapshot[i])) << "tensor " << i;
   }
 };
 
 TEST(Errors, BadOptionsAtConstructionNameTheProblem) {
   const at::Tensor p = at::randn({4, 8}).requires_grad_(true);
   auto make = [&](WaveletAdamOptions o) { return [p, o] { WaveletAdam opt({p}, o); }; };
-  expect_error(make(WaveletAdamOptions().wavelet("db42")), {"unknown wavelet", "db42", "haar", "sym4"});
-  expect_error(make(WaveletAdamOptions().boundary("reflect")), {"unknown boundary mode", "reflect", "zero", "periodization"});
+  expect_error(make(WaveletAdamOptions().wavelet("db42")),
+               {"unknown wavelet", "db42", "haar", "sym4"});
+  expect_error(make(WaveletAdamOptions().boundary("reflect")),
+               {"unknown boundary mode", "reflect", "zero", "periodization"});
   expect_error(make(WaveletAdamOptions().level(-1)), {"level", "-1"});
   expect_error(make(WaveletAdamOptions(k_nan)), {"learning rate"});
   expect_error(make(WaveletAdamOptions(-0.1)), {"learning rate", "-0.1"});
@@ -144,7 +149,8 @@ TEST(Errors, NonFiniteGradientSkipsTheStepAndCountsIt) {
 }
 
 TEST(Errors, LoadingMismatchedGroupsOrShapesLeavesEverythingUnchanged) {
-  const std::string path = ::testing::TempDir() + "gwt_errors_" + std::to_string(::getpid()) + ".pt";
+  const std::string path =
+      ::testing::TempDir() + "gwt_errors_" + std::to_string(::getpid()) + ".pt";
   {
     at::Tensor a = at::randn({8, 32}, at::kDouble).requires_grad_(true);
     at::Tensor c = at::randn({8}, at::kDouble).requires_grad_(true);

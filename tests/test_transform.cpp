@@ -31,7 +31,8 @@ void check_mode(const std::string& mode_name) {
     const int64_t n = std::stoll(rec.header.at(2));
     const int64_t level = std::stoll(rec.header.at(3));
     const auto mode = gwt::boundary_mode_from_string(mode_name);
-    SCOPED_TRACE(wavelet + " " + mode_name + " n=" + std::to_string(n) + " level=" + std::to_string(level));
+    SCOPED_TRACE(wavelet + " " + mode_name + " n=" + std::to_string(n) +
+                 " level=" + std::to_string(level));
     const at::Tensor x = to_tensor(rec.rows.at("x"));
     ASSERT_EQ(x.numel(), n);
     const gwt::WaveletCoeffs c = gwt::wavedec(x, wavelet, level, -1, mode);
@@ -55,9 +56,15 @@ void check_mode(const std::string& mode_name) {
   EXPECT_GE(checked, 100) << "too few golden cases for mode " << mode_name;
 }
 
-TEST(Transform, WavedecMatchesPyWaveletsZeroMode) { check_mode("zero"); }
-TEST(Transform, WavedecMatchesPyWaveletsPeriodization) { check_mode("periodization"); }
-TEST(Transform, WavedecMatchesPyWaveletsSymmetric) { check_mode("symmetric"); }
+TEST(Transform, WavedecMatchesPyWaveletsZeroMode) {
+  check_mode("zero");
+}
+TEST(Transform, WavedecMatchesPyWaveletsPeriodization) {
+  check_mode("periodization");
+}
+TEST(Transform, WavedecMatchesPyWaveletsSymmetric) {
+  check_mode("symmetric");
+}
 
 TEST(Transform, FiltersAreOrthonormalForEveryWavelet) {
   for (const auto& name : gwt::Wavelet::available()) {
@@ -94,7 +101,8 @@ TEST(Transform, AnyDimAndLeadingDimensionsAreBatch) {
       const auto single = gwt::wavedec(moved[r], "db2", 2);
       EXPECT_LE(max_abs_diff(approx_moved[r], single.approx), 1e-14) << "dim " << dim;
     }
-    EXPECT_LE(max_abs_diff(gwt::waverec(c, "db2", dim, gwt::BoundaryMode::zero, x.size(dim)), x), 1e-12);
+    EXPECT_LE(max_abs_diff(gwt::waverec(c, "db2", dim, gwt::BoundaryMode::zero, x.size(dim)), x),
+              1e-12);
   }
 }
 
@@ -178,7 +186,8 @@ TEST(TransformErrors, BadArgumentsAreRejected) {
   auto c = gwt::wavedec(x, "haar", 2);
   c.details[1] = c.details[1].narrow(-1, 0, 2);
   EXPECT_THROW(gwt::waverec(c, "haar"), c10::Error);
-  EXPECT_THROW(gwt::waverec(gwt::wavedec(x, "haar", 1), "haar", -1, gwt::BoundaryMode::zero, 9), c10::Error);
+  EXPECT_THROW(gwt::waverec(gwt::wavedec(x, "haar", 1), "haar", -1, gwt::BoundaryMode::zero, 9),
+               c10::Error);
 }
 
 }  // namespace

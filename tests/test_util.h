@@ -13,7 +13,9 @@
 
 namespace gwt_test {
 
-inline std::string data_path(const std::string& file) { return std::string(GWT_TEST_DATA_DIR) + "/" + file; }
+inline std::string data_path(const std::string& file) {
+  return std::string(GWT_TEST_DATA_DIR) + "/" + file;
+}
 
 // A record: a header line split into words, then named rows of doubles.
 struct Record {

@@ -53,8 +53,12 @@ class Wavelet {
   std::vector<double> dec_lo_, dec_hi_, rec_lo_, rec_hi_;
 };
 
-inline bool operator==(const Wavelet& a, const Wavelet& b) { return a.name() == b.name(); }
-inline bool operator!=(const Wavelet& a, const Wavelet& b) { return !(a == b); }
+inline bool operator==(const Wavelet& a, const Wavelet& b) {
+  return a.name() == b.name();
+}
+inline bool operator!=(const Wavelet& a, const Wavelet& b) {
+  return !(a == b);
+}
 
 /// PyWavelets' `dwt_coeff_len`: length of each subband after one level on a signal of length n.
 int64_t dwt_coeff_len(int64_t n, int64_t filter_length, BoundaryMode mode);

@@ -29,7 +29,8 @@ std::vector<ParamAssignment> assign_param_groups(const torch::nn::Module& module
     const auto* linear = item.value()->as<torch::nn::LinearImpl>();
     if (linear == nullptr || !linear->weight.defined()) continue;
     bool is_head = false;
-    for (const auto& head : rules.head_names) is_head = is_head || last_component(item.key()) == head;
+    for (const auto& head : rules.head_names)
+      is_head = is_head || last_component(item.key()) == head;
     if (!is_head) linear_weights.insert(linear->weight.unsafeGetTensorImpl());
   }
   std::vector<ParamAssignment> out;
@@ -48,7 +49,8 @@ std::vector<torch::optim::OptimizerParamGroup> paper_param_groups(const torch::n
                                                                   const WaveletAdamOptions& options,
                                                                   const ParamGroupRules& rules) {
   std::vector<at::Tensor> wavelet, dense;
-  for (const auto& a : assign_param_groups(module, rules)) (a.wavelet ? wavelet : dense).push_back(a.param);
+  for (const auto& a : assign_param_groups(module, rules))
+    (a.wavelet ? wavelet : dense).push_back(a.param);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (!wavelet.empty())
     groups.emplace_back(std::move(wavelet), std::make_unique<WaveletAdamOptions>(options));

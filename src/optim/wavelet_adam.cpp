@@ -21,8 +21,12 @@ namespace gwt {
 
 WaveletAdamOptions::WaveletAdamOptions(double lr) : lr_(lr) {}
 
-double WaveletAdamOptions::get_lr() const { return lr(); }
-void WaveletAdamOptions::set_lr(const double lr) { this->lr(lr); }
+double WaveletAdamOptions::get_lr() const {
+  return lr();
+}
+void WaveletAdamOptions::set_lr(const double lr) {
+  this->lr(lr);
+}
 
 bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs) {
   return lhs.lr() == rhs.lr() && lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
@@ -127,7 +131,7 @@ void validate_options(const WaveletAdamOptions& o) {
   TORCH_CHECK(finite(o.norm_growth_limit()) && o.norm_growth_limit() >= 0,
               "gwt::WaveletAdam: invalid norm_growth_limit ", o.norm_growth_limit(),
               "; it must be finite and >= 0 (0 disables the limiter)");
-  Wavelet(o.wavelet());                 // throws listing the valid names
+  Wavelet(o.wavelet());                     // throws listing the valid names
   boundary_mode_from_string(o.boundary());  // throws listing the valid modes
 }
 
@@ -168,8 +172,8 @@ Plan plan_for(const at::Tensor& param, const WaveletAdamOptions& o) {
   plan.state_shape = param.sizes().vec();
   if (o.level() == 0 || param.dim() < 2) return plan;
   TORCH_CHECK(o.dim() >= -param.dim() && o.dim() < param.dim(), "gwt::WaveletAdam: dim ", o.dim(),
-              " is out of range for a parameter of shape ", param.sizes(), " (valid: ", -param.dim(),
-              " to ", param.dim() - 1, ")");
+              " is out of range for a parameter of shape ", param.sizes(),
+              " (valid: ", -param.dim(), " to ", param.dim() - 1, ")");
   const int64_t dim = o.dim() < 0 ? o.dim() + param.dim() : o.dim();
   if (param.size(dim) < (int64_t{1} << o.level())) return plan;
   plan.wavelet = true;
@@ -187,7 +191,8 @@ void check_state(const WaveletAdamParamState& state, const at::Tensor& param, co
                 " but its group's options need ", c10::IntArrayRef(plan.state_shape),
                 " (were level, wavelet, boundary or dim changed after training started?)");
   }
-  TORCH_CHECK(state.step() >= 0, "gwt::WaveletAdam: a saved step count is negative: ", state.step());
+  TORCH_CHECK(state.step() >= 0,
+              "gwt::WaveletAdam: a saved step count is negative: ", state.step());
   TORCH_CHECK(!state.norm().defined() || state.norm().numel() == 1,
               "gwt::WaveletAdam: the limiter norm in the state must be a single value");
 }
@@ -291,8 +296,9 @@ WaveletAdam::WaveletAdam(std::vector<torch::optim::OptimizerParamGroup> param_gr
     validate_options(options);
     for (const auto& param : this->param_groups()[i].params()) {
       check_param(param);
-      TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, "gwt::WaveletAdam: a parameter of shape ",
-                  param.sizes(), " appears more than once (each parameter may be in one group once)");
+      TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second,
+                  "gwt::WaveletAdam: a parameter of shape ", param.sizes(),
+                  " appears more than once (each parameter may be in one group once)");
       plan_for(param, options);  // checks dim against the parameter's rank
     }
   }
@@ -302,8 +308,8 @@ WaveletAdam::WaveletAdam(std::vector<at::Tensor> params, WaveletAdamOptions defa
     : WaveletAdam({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 const WaveletAdamOptions& WaveletAdam::group_options(size_t i) const {
-  TORCH_CHECK(i < param_groups().size(), "gwt::WaveletAdam: group ", i, " does not exist (there are ",
-              param_groups().size(), ")");
+  TORCH_CHECK(i < param_groups().size(), "gwt::WaveletAdam: group ", i,
+              " does not exist (there are ", param_groups().size(), ")");
   return options_of(param_groups()[i]);
 }
 
@@ -375,8 +381,12 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
 
 namespace {
 constexpr const char* k_format = "gwt.WaveletAdam.v1";
-std::string group_key(size_t i) { return "group_" + std::to_string(i); }
-std::string param_key(size_t j) { return "param_" + std::to_string(j); }
+std::string group_key(size_t i) {
+  return "group_" + std::to_string(i);
+}
+std::string param_key(size_t j) {
+  return "param_" + std::to_string(j);
+}
 }  // namespace
 
 void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
@@ -405,8 +415,10 @@ void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
 
 void WaveletAdam::load(torch::serialize::InputArchive& archive) {
   c10::IValue value;
-  TORCH_CHECK(archive.try_read("format", value) && value.isString() && value.toStringRef() == k_format,
-              "gwt::WaveletAdam::load: not a ", k_format, " checkpoint (was it saved by another optimizer?)");
+  TORCH_CHECK(
+      archive.try_read("format", value) && value.isString() && value.toStringRef() == k_format,
+      "gwt::WaveletAdam::load: not a ", k_format,
+      " checkpoint (was it saved by another optimizer?)");
   const int64_t num_groups = read_value(archive, "num_groups", "WaveletAdam checkpoint").toInt();
   TORCH_CHECK(num_groups == static_cast<int64_t>(param_groups().size()),
               "gwt::WaveletAdam::load: the checkpoint has ", num_groups,
@@ -426,17 +438,19 @@ void WaveletAdam::load(torch::serialize::InputArchive& archive) {
     WaveletAdamOptions options;
     options.serialize(options_archive);
     validate_options(options);
-    const int64_t num_params = read_value(group_archive, "num_params", "WaveletAdam checkpoint").toInt();
+    const int64_t num_params =
+        read_value(group_archive, "num_params", "WaveletAdam checkpoint").toInt();
     TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()),
                 "gwt::WaveletAdam::load: group ", i, " has ", num_params,
                 " parameters in the checkpoint but ", group.params().size(), " here");
     for (const auto j : c10::irange(group.params().size())) {
       const at::Tensor& param = group.params()[j];
       const auto saved_shape =
-          read_value(group_archive, param_key(j) + "_shape", "WaveletAdam checkpoint").toIntVector();
+          read_value(group_archive, param_key(j) + "_shape", "WaveletAdam checkpoint")
+              .toIntVector();
       TORCH_CHECK(saved_shape == param.sizes().vec(), "gwt::WaveletAdam::load: parameter ", j,
-                  " of group ", i, " had shape ", c10::IntArrayRef(saved_shape), " when saved but has shape ",
-                  param.sizes(), " here");
+                  " of group ", i, " had shape ", c10::IntArrayRef(saved_shape),
+                  " when saved but has shape ", param.sizes(), " here");
       torch::serialize::InputArchive state_archive;
       if (!group_archive.try_read(param_key(j), state_archive)) continue;
       auto state = std::make_unique<WaveletAdamParamState>();
@@ -485,7 +499,8 @@ bool WaveletAdam::is_wavelet_param(const at::Tensor& param) const {
   for (const auto& group : param_groups())
     for (const auto& p : group.params())
       if (p.is_same(param)) return plan_for(param, options_of(group)).wavelet;
-  TORCH_CHECK(false, "gwt::WaveletAdam::is_wavelet_param: the tensor is not a parameter of this optimizer");
+  TORCH_CHECK(
+      false, "gwt::WaveletAdam::is_wavelet_param: the tensor is not a parameter of this optimizer");
 }
 
 }  // namespace gwt

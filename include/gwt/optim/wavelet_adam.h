@@ -17,9 +17,9 @@ namespace gwt {
 
 /// Options of gwt::WaveletAdam, fluent like torch::optim::AdamWOptions.
 ///
-/// A parameter is *eligible* for the wavelet path when level > 0, it has at least two dimensions and
-/// at least 2^level elements along `dim`; every other parameter takes the dense path (plain Adam
-/// with the same folded bias correction, eps and decoupled weight decay).
+/// A parameter is *eligible* for the wavelet path when level > 0, it has at least two dimensions
+/// and at least 2^level elements along `dim`; every other parameter takes the dense path (plain
+/// Adam with the same folded bias correction, eps and decoupled weight decay).
 struct WaveletAdamOptions : public torch::optim::OptimizerCloneableOptions<WaveletAdamOptions> {
   WaveletAdamOptions(double lr = 1e-3);  // NOLINT(google-explicit-constructor): as torch::optim
   /// Learning rate, finite and >= 0.

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Installs what gwt's build needs and prints nothing else of note. Sourced by scripts/run.sh and
+# scripts/test.sh; safe to run again (it only installs what is missing).
+#
+# Sets GWT_TORCH_DIR (the directory holding TorchConfig.cmake) and the ccache variables.
+#
+# LibTorch, first match wins:
+#   1. Torch_DIR            a directory holding TorchConfig.cmake
+#   2. LIBTORCH             an unpacked LibTorch (the zip from pytorch.org) or any prefix of one
+#   3. CMAKE_PREFIX_PATH    searched for share/cmake/Torch/TorchConfig.cmake
+#   4. otherwise a pinned torch wheel from PyPI in a virtual environment outside the repository,
+#      ${GWT_CACHE:-~/.cache/gwt}/torch-<version>, reused by every later clone.
+
+set -euo pipefail
+
+GWT_TORCH_VERSION="${GWT_TORCH_VERSION:-2.15.0}"
+GWT_CACHE="${GWT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gwt}"
+GWT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+gwt_log() { printf '[gwt setup] %s\n' "$*" >&2; }
+
+gwt_install_debian_packages() {
+  local wanted=(cmake ninja-build g++ ccache libgtest-dev googletest libbenchmark-dev python3 python3-venv "$@")
+  local missing=()
+  for pkg in "${wanted[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  # A python3 with venv outside Debian's packages (pyenv, ...) is as good as Debian's.
+  if command -v python3 >/dev/null && python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    local filtered=()
+    for pkg in "${missing[@]}"; do [[ "$pkg" == python3 || "$pkg" == python3-venv ]] || filtered+=("$pkg"); done
+    missing=("${filtered[@]+"${filtered[@]}"}")
+  fi
+  [[ ${#missing[@]} -eq 0 ]] && return 0
+  gwt_log "installing Debian packages: ${missing[*]}"
+  local sudo=""
+  [[ $(id -u) -ne 0 ]] && sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+gwt_find_torch_dir() {
+  if [[ -n "${Torch_DIR:-}" && -f "${Torch_DIR}/TorchConfig.cmake" ]]; then
+    GWT_TORCH_DIR="$Torch_DIR"; return 0
+  fi
+  local prefixes=()
+  [[ -n "${LIBTORCH:-}" ]] && prefixes+=("$LIBTORCH")
+  if [[ -n "${CMAKE_PREFIX_PATH:-}" ]]; then
+    IFS=':;' read -r -a from_env <<<"$CMAKE_PREFIX_PATH"
+    prefixes+=("${from_env[@]}")
+  fi
+  for prefix in "${prefixes[@]+"${prefixes[@]}"}"; do
+    for candidate in "$prefix/share/cmake/Torch" "$prefix/cmake/Torch" "$prefix/Torch" "$prefix"; do
+      if [[ -f "$candidate/TorchConfig.cmake" ]]; then GWT_TORCH_DIR="$(cd "$candidate" && pwd)"; return 0; fi
+    done
+  done
+  return 1
+}
+
+gwt_install_torch_wheel() {
+  local venv="$GWT_CACHE/torch-$GWT_TORCH_VERSION"
+  if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    gwt_log "no LibTorch named (Torch_DIR, LIBTORCH, CMAKE_PREFIX_PATH): installing torch==$GWT_TORCH_VERSION"
+    gwt_log "from PyPI into $venv (about 3 GB to download, 5.5 GB on disk; once per machine)"
+    mkdir -p "$GWT_CACHE"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --no-cache-dir --upgrade pip
+    "$venv/bin/pip" install --quiet --no-cache-dir "torch==$GWT_TORCH_VERSION" numpy
+  fi
+  GWT_TORCH_DIR="$("$venv/bin/python" -c 'import os, torch; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))')"
+  GWT_PYTHON="$venv/bin/python"
+}
+
+gwt_setup() {
+  gwt_install_debian_packages "$@"
+  GWT_PYTHON="${GWT_PYTHON:-}"
+  if ! gwt_find_torch_dir; then gwt_install_torch_wheel; fi
+  export GWT_TORCH_DIR GWT_PYTHON
+  # A CUDA-enabled LibTorch wants a CUDA toolkit at configure time; its major version must match.
+  if [[ -x /usr/local/cuda/bin/nvcc ]]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+  # The compiler cache lives outside the repository so that a fresh clone reuses it.
+  export CCACHE_DIR="${CCACHE_DIR:-$GWT_CACHE/ccache}"
+  export CCACHE_BASEDIR="$GWT_ROOT"
+  export CCACHE_NOHASHDIR=1
+  export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+  gwt_log "LibTorch: $GWT_TORCH_DIR"
+}
+
+# Configures and builds gwt into $1 (default build/) with the given extra CMake arguments.
+gwt_build() {
+  local build_dir="${1:-$GWT_ROOT/build}"; shift || true
+  cmake -S "$GWT_ROOT" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    "-DTorch_DIR=$GWT_TORCH_DIR" "$@" >"$build_dir.configure.log" 2>&1 \
+    || { cat "$build_dir.configure.log" >&2; return 1; }
+  cmake --build "$build_dir" --parallel "${GWT_JOBS:-$(nproc)}"
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  gwt_setup "$@"
+fi
