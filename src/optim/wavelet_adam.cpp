@@ -10,6 +10,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "gwt/kernels.h"
 #include "gwt/transform.h"
 #include "gwt/wavelet.h"
 
@@ -33,7 +34,8 @@ bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs) {
          lhs.weight_decay() == rhs.weight_decay() && lhs.wavelet() == rhs.wavelet() &&
          lhs.level() == rhs.level() && lhs.boundary() == rhs.boundary() &&
          lhs.scale() == rhs.scale() && lhs.norm_growth_limit() == rhs.norm_growth_limit() &&
-         lhs.correct_bias() == rhs.correct_bias() && lhs.dim() == rhs.dim();
+         lhs.correct_bias() == rhs.correct_bias() && lhs.dim() == rhs.dim() &&
+         lhs.fused() == rhs.fused() && lhs.state_dtype() == rhs.state_dtype();
 }
 
 namespace {
@@ -61,6 +63,8 @@ void WaveletAdamOptions::serialize(torch::serialize::OutputArchive& archive) con
   archive.write("norm_growth_limit", c10::IValue(norm_growth_limit()));
   archive.write("correct_bias", c10::IValue(correct_bias()));
   archive.write("dim", c10::IValue(dim()));
+  archive.write("fused", c10::IValue(fused()));
+  archive.write("state_dtype", c10::IValue(state_dtype()));
 }
 
 void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -77,6 +81,8 @@ void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
   norm_growth_limit(read_value(archive, "norm_growth_limit", what).toDouble());
   correct_bias(read_value(archive, "correct_bias", what).toBool());
   dim(read_value(archive, "dim", what).toInt());
+  fused(read_value(archive, "fused", what).toBool());
+  state_dtype(read_value(archive, "state_dtype", what).toStringRef());
 }
 
 void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -145,9 +151,14 @@ const WaveletAdamOptions& options_of(const torch::optim::OptimizerParamGroup& gr
   return static_cast<const WaveletAdamOptions&>(group.options());
 }
 
-// The dtype the update is computed in, and the moments are kept in.
+// The dtype the update is computed in (and the limiter norm kept in).
 at::ScalarType compute_dtype(const at::Tensor& param) {
   return param.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The dtype the moments are kept in.
+at::ScalarType state_dtype(const at::Tensor& param, const WaveletAdamOptions& o) {
+  return o.state_dtype() == "bfloat16" ? at::kBFloat16 : compute_dtype(param);
 }
 
 void check_param(const at::Tensor& param) {
@@ -208,38 +219,54 @@ void apply_weight_decay(at::Tensor& param, const WaveletAdamOptions& o) {
   if (o.weight_decay() != 0) param.add_(param, -o.lr() * o.weight_decay());
 }
 
-// The reference update for one parameter, in readable ATen ops (SPEC 1.1 / 1.2).
-void update_param(const Work& work, WaveletAdamParamState& state) {
+double step_size_of(const WaveletAdamOptions& o, int64_t step) {
+  const auto [beta1, beta2] = o.betas();
+  const auto t = static_cast<double>(step);
+  double step_size = o.lr();
+  if (o.correct_bias()) step_size *= std::sqrt(1 - std::pow(beta2, t)) / (1 - std::pow(beta1, t));
+  return step_size;
+}
+
+// The reference update for one parameter, in readable ATen ops (SPEC 1.1 / 1.2). The fused kernels
+// are tested against it; WaveletAdamOptions::fused(false) selects it.
+void reference_update(const Work& work, WaveletAdamParamState& state, double step_size) {
   const WaveletAdamOptions& o = *work.options;
   const at::ScalarType dtype = compute_dtype(work.param);
   at::Tensor param = work.param.scalar_type() == dtype ? work.param : work.param.to(dtype);
   const at::Tensor grad = work.param.grad().to(dtype);
   const auto [beta1, beta2] = o.betas();
-
-  state.step(state.step() + 1);
-  const auto t = static_cast<double>(state.step());
-  double step_size = o.lr();
-  if (o.correct_bias()) step_size *= std::sqrt(1 - std::pow(beta2, t)) / (1 - std::pow(beta1, t));
+  // Moments kept in a narrower dtype are updated in the compute dtype, stored, and read back as
+  // stored, so that what follows sees exactly what the next step will.
+  const bool narrow_state = state.exp_avg().scalar_type() != dtype;
+  at::Tensor exp_avg = narrow_state ? state.exp_avg().to(dtype) : state.exp_avg();
+  at::Tensor exp_avg_sq = narrow_state ? state.exp_avg_sq().to(dtype) : state.exp_avg_sq();
+  auto store_moments = [&] {
+    if (!narrow_state) return;
+    state.exp_avg().copy_(exp_avg);
+    state.exp_avg_sq().copy_(exp_avg_sq);
+    exp_avg = state.exp_avg().to(dtype);
+    exp_avg_sq = state.exp_avg_sq().to(dtype);
+  };
 
   if (!work.plan.wavelet) {
-    state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
-    state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-    const at::Tensor denom = state.exp_avg_sq().sqrt().add_(o.eps());
-    param.addcdiv_(state.exp_avg(), denom, -step_size);
+    exp_avg.mul_(beta1).add_(grad, 1 - beta1);
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+    store_moments();
+    const at::Tensor denom = exp_avg_sq.sqrt().add_(o.eps());
+    param.addcdiv_(exp_avg, denom, -step_size);
   } else {
     const Wavelet wavelet(o.wavelet());
     const BoundaryMode mode = boundary_mode_from_string(o.boundary());
     const int64_t dim = work.plan.dim;
     const int64_t n = param.size(dim);
     WaveletCoeffs coeffs = wavedec(grad.movedim(dim, -1), wavelet, o.level(), -1, mode);
-    // Views of the state with the transform dimension last; updated in place.
-    at::Tensor exp_avg = state.exp_avg().movedim(dim, -1);
-    at::Tensor exp_avg_sq = state.exp_avg_sq().movedim(dim, -1);
     const at::Tensor& approx = coeffs.approx;
-    exp_avg.mul_(beta1).add_(approx, 1 - beta1);
-    exp_avg_sq.mul_(beta2).addcmul_(approx, approx, 1 - beta2);
-    const at::Tensor denom = exp_avg_sq.sqrt().add_(o.eps());
-    at::Tensor normalized = exp_avg / denom;
+    // Views with the transform dimension last; updated in place.
+    exp_avg.movedim(dim, -1).mul_(beta1).add_(approx, 1 - beta1);
+    exp_avg_sq.movedim(dim, -1).mul_(beta2).addcmul_(approx, approx, 1 - beta2);
+    store_moments();
+    const at::Tensor denom = exp_avg_sq.movedim(dim, -1).sqrt().add_(o.eps());
+    at::Tensor normalized = exp_avg.movedim(dim, -1) / denom;
 
     // Norm-growth limiter (Fira): the step's ||N|| may grow by at most gamma per step. Kept as a
     // 0-dim tensor so the step never waits for the device.
@@ -271,6 +298,77 @@ void update_param(const Work& work, WaveletAdamParamState& state) {
   }
   apply_weight_decay(param, o);
   if (!param.is_same(work.param)) work.param.copy_(param);
+}
+
+kernels::ScalarKind kind_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kernels::ScalarKind::f32;
+    case at::kDouble:
+      return kernels::ScalarKind::f64;
+    case at::kHalf:
+      return kernels::ScalarKind::f16;
+    case at::kBFloat16:
+      return kernels::ScalarKind::bf16;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "no kernel dtype for ", t);
+  }
+}
+
+// Whether the fused Haar kernel computes this parameter's step (same result as the reference).
+bool fused_haar_applies(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& plan) {
+  if (!o.fused() || !plan.wavelet || plan.dim != param.dim() - 1) return false;
+  if (o.wavelet() != "haar" && o.wavelet() != "db1") return false;
+  // Zero mode pads odd lengths with zeros, which keeps blocks local; the other modes agree with
+  // it only when no padding is needed.
+  const int64_t block = int64_t{1} << o.level();
+  if (o.boundary() != "zero" && param.size(plan.dim) % block != 0) return false;
+  if (!param.is_contiguous()) return false;
+  if (param.is_cuda()) return kernels::built_with_cuda();
+  return param.device().is_cpu();
+}
+
+void fused_haar_update(const Work& work, WaveletAdamParamState& state, double step_size) {
+  const WaveletAdamOptions& o = *work.options;
+  const at::Tensor& param = work.param;
+  at::Tensor grad = param.grad();
+  if (grad.scalar_type() != param.scalar_type()) grad = grad.to(param.scalar_type());
+  grad = grad.contiguous();
+  const bool had_norm = state.norm().defined();
+  if (o.norm_growth_limit() > 0 && !had_norm)
+    state.norm(at::zeros({}, param.options().dtype(compute_dtype(param))));
+  kernels::HaarAdamArgs args;
+  args.param = param.data_ptr();
+  args.grad = grad.data_ptr();
+  args.exp_avg = state.exp_avg().data_ptr();
+  args.exp_avg_sq = state.exp_avg_sq().data_ptr();
+  args.saved_norm = o.norm_growth_limit() > 0 ? state.norm().data_ptr() : nullptr;
+  args.has_saved_norm = had_norm;
+  args.param_kind = kind_of(param.scalar_type());
+  args.state_kind = kind_of(state.exp_avg().scalar_type());
+  args.math_f64 = compute_dtype(param) == at::kDouble;
+  args.n = param.size(-1);
+  args.rows = args.n == 0 ? 0 : param.numel() / args.n;
+  args.approx_len = state.exp_avg().size(-1);
+  args.level = o.level();
+  std::tie(args.beta1, args.beta2) = o.betas();
+  args.eps = o.eps();
+  args.step_size = step_size * o.scale();
+  args.decay = o.lr() * o.weight_decay();
+  args.norm_growth_limit = o.norm_growth_limit();
+  if (param.is_cuda())
+    kernels::haar_adam_step_cuda(args);
+  else
+    kernels::haar_adam_step_cpu(args);
+}
+
+void update_param(const Work& work, WaveletAdamParamState& state) {
+  state.step(state.step() + 1);
+  const double step_size = step_size_of(*work.options, state.step());
+  if (fused_haar_applies(work.param, *work.options, work.plan))
+    fused_haar_update(work, state, step_size);
+  else
+    reference_update(work, state, step_size);
 }
 
 }  // namespace
@@ -349,12 +447,23 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
   }
   if (work.empty()) return loss;
 
-  // A NaN or infinity anywhere skips the whole step (one device sync for all gradients).
-  std::vector<at::Tensor> finite;
-  finite.reserve(work.size());
-  const at::Device first_device = work.front().param.device();
-  for (const auto& w : work) finite.push_back(at::isfinite(w.param.grad()).all().to(first_device));
-  if (!at::stack(finite).all().item<bool>()) {
+  // A NaN or infinity anywhere skips the whole step. CPU gradients are checked in one read each;
+  // others on their device with one synchronisation for all of them.
+  bool finite = true;
+  std::vector<at::Tensor> device_flags;
+  for (const auto& w : work) {
+    const at::Tensor& grad = w.param.grad();
+    const auto t = grad.scalar_type();
+    const bool kernel_dtype = t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+    if (grad.device().is_cpu() && grad.is_contiguous() && kernel_dtype) {
+      finite = finite && kernels::all_finite_cpu(grad.data_ptr(), grad.numel(), kind_of(grad.scalar_type()));
+    } else {
+      device_flags.push_back(at::isfinite(grad).all().to(work.front().param.device()));
+    }
+    if (!finite) break;
+  }
+  if (finite && !device_flags.empty()) finite = at::stack(device_flags).all().item<bool>();
+  if (!finite) {
     ++skipped_steps_;
     return loss;
   }
@@ -364,7 +473,7 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
     auto& slot = state_[w.param.unsafeGetTensorImpl()];
     if (!slot) {
       auto state = std::make_unique<WaveletAdamParamState>();
-      const auto options = w.param.options().dtype(compute_dtype(w.param));
+      const auto options = w.param.options().dtype(state_dtype(w.param, *w.options));
       state->exp_avg(at::zeros(w.plan.state_shape, options));
       state->exp_avg_sq(at::zeros(w.plan.state_shape, options));
       slot = std::move(state);
@@ -457,10 +566,11 @@ void WaveletAdam::load(torch::serialize::InputArchive& archive) {
       state->serialize(state_archive);
       const Plan plan = plan_for(param, options);
       check_state(*state, param, plan);
-      const auto target = param.options().dtype(compute_dtype(param));
-      state->exp_avg(state->exp_avg().to(target).contiguous());
-      state->exp_avg_sq(state->exp_avg_sq().to(target).contiguous());
-      if (state->norm().defined()) state->norm(state->norm().to(target).reshape({}));
+      const auto moments = param.options().dtype(state_dtype(param, options));
+      state->exp_avg(state->exp_avg().to(moments).contiguous());
+      state->exp_avg_sq(state->exp_avg_sq().to(moments).contiguous());
+      if (state->norm().defined())
+        state->norm(state->norm().to(param.options().dtype(compute_dtype(param))).reshape({}));
       loaded_state.emplace_back(param.unsafeGetTensorImpl(), std::move(state));
     }
     loaded_options.push_back(options);

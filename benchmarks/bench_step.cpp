@@ -1,0 +1,119 @@
+// Optimizer step time against torch::optim::Adam, measured in the same run.
+//
+// Workloads: (a) the LLaMA-60M wavelet-eligible set (8 layers of q, k, v, o 512x512, gate and up
+// 1376x512, down 512x1376: 25.3M values); (b) one 4096x4096 matrix. All fp32, gradients fixed.
+// Each benchmark reports bytes_per_second for the bytes the step must move (counter "bytes/param")
+// and scripts/bench_table.py turns the JSON into the table with ratios.
+
+#include <ATen/ATen.h>
+#include <benchmark/benchmark.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gwt/gwt.h"
+
+namespace {
+
+std::vector<at::Tensor> make_workload(int which) {
+  at::manual_seed(0);
+  std::vector<std::vector<int64_t>> shapes;
+  if (which == 0) {
+    for (int layer = 0; layer < 8; ++layer) {
+      for (int i = 0; i < 4; ++i) shapes.push_back({512, 512});
+      shapes.push_back({1376, 512});
+      shapes.push_back({1376, 512});
+      shapes.push_back({512, 1376});
+    }
+  } else {
+    shapes.push_back({4096, 4096});
+  }
+  std::vector<at::Tensor> params;
+  for (const auto& s : shapes) {
+    at::Tensor p = at::randn(s).mul_(0.02).requires_grad_(true);
+    p.mutable_grad() = at::randn(s).mul_(1e-3);
+    params.push_back(p);
+  }
+  return params;
+}
+
+int64_t numel(const std::vector<at::Tensor>& params) {
+  int64_t n = 0;
+  for (const auto& p : params) n += p.numel();
+  return n;
+}
+
+const char* workload_name(int which) { return which == 0 ? "llama60m" : "4096x4096"; }
+
+// Times optimizer steps; bytes_per_param is what the step must move (reads + writes).
+void run_optimizer(benchmark::State& st, int which, double bytes_per_param,
+                   const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>& make) {
+  auto params = make_workload(which);
+  auto opt = make(params);
+  opt->step();  // creates the state outside the timed loop
+  for (auto _ : st) opt->step();
+  const auto n = static_cast<double>(numel(params));
+  st.SetBytesProcessed(static_cast<int64_t>(bytes_per_param * n) * st.iterations());
+  st.counters["params"] = n;
+  st.counters["bytes/param"] = bytes_per_param;
+  st.SetLabel(workload_name(which));
+}
+
+// WaveletAdam with Haar at level L moves p, g, p' (12 B) and m, v read+written at 1/2^L (16/2^L B).
+double wavelet_bytes(int level) { return 12.0 + 16.0 / static_cast<double>(1 << level); }
+
+void BM_Copy(benchmark::State& st) {
+  const int which = static_cast<int>(st.range(0));
+  const int64_t n = which == 0 ? 25296896 : 4096 * 4096;
+  // Same bytes as the Haar L=2 step (16 B/param): copy 8 B/param into another 8 B/param.
+  at::Tensor src = at::randn({2 * n}), dst = at::empty({2 * n});
+  for (auto _ : st) dst.copy_(src);
+  st.SetBytesProcessed(16 * n * st.iterations());
+  st.counters["params"] = static_cast<double>(n);
+  st.counters["bytes/param"] = 16;
+  st.SetLabel(workload_name(which));
+}
+
+void BM_TorchAdam(benchmark::State& st) {
+  run_optimizer(st, static_cast<int>(st.range(0)), 28, [](std::vector<at::Tensor> p) {
+    return std::make_unique<torch::optim::Adam>(std::move(p), torch::optim::AdamOptions(1e-3));
+  });
+}
+
+void BM_TorchAdamW(benchmark::State& st) {
+  run_optimizer(st, static_cast<int>(st.range(0)), 28, [](std::vector<at::Tensor> p) {
+    return std::make_unique<torch::optim::AdamW>(std::move(p), torch::optim::AdamWOptions(1e-3));
+  });
+}
+
+void wavelet(benchmark::State& st, const std::string& wavelet_name, int level, bool fused) {
+  run_optimizer(st, static_cast<int>(st.range(0)), wavelet_bytes(level), [&](std::vector<at::Tensor> p) {
+    return std::make_unique<gwt::WaveletAdam>(
+        std::move(p), gwt::WaveletAdamOptions(1e-3).wavelet(wavelet_name).level(level).fused(fused));
+  });
+}
+
+void BM_WaveletAdamReference_haar_L2(benchmark::State& st) { wavelet(st, "haar", 2, false); }
+void BM_WaveletAdamFused_haar_L1(benchmark::State& st) { wavelet(st, "haar", 1, true); }
+void BM_WaveletAdamFused_haar_L2(benchmark::State& st) { wavelet(st, "haar", 2, true); }
+void BM_WaveletAdamFused_haar_L3(benchmark::State& st) { wavelet(st, "haar", 3, true); }
+void BM_WaveletAdamFused_db2_L2(benchmark::State& st) { wavelet(st, "db2", 2, true); }
+
+}  // namespace
+
+#define GWT_BENCH(fn) BENCHMARK(fn)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0)
+
+GWT_BENCH(BM_Copy);
+GWT_BENCH(BM_TorchAdam);
+GWT_BENCH(BM_TorchAdamW);
+GWT_BENCH(BM_WaveletAdamReference_haar_L2);
+GWT_BENCH(BM_WaveletAdamFused_haar_L1);
+GWT_BENCH(BM_WaveletAdamFused_haar_L2);
+GWT_BENCH(BM_WaveletAdamFused_haar_L3);
+GWT_BENCH(BM_WaveletAdamFused_db2_L2);
+
+BENCHMARK_MAIN();

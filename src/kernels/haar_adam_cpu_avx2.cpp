@@ -1,0 +1,16 @@
+// The fused Haar body compiled with -mavx2 -mfma (see CMakeLists.txt); called only after the CPU
+// reported both.
+
+#define GWT_KERNEL_NS avx2
+#include "haar_adam_cpu_impl.h"
+
+namespace gwt {
+namespace kernels {
+namespace avx2 {
+void haar_adam_step_entry(const HaarAdamArgs& args) { haar_adam_step(args); }
+bool all_finite_entry(const void* data, int64_t n, ScalarKind kind) {
+  return all_finite(data, n, kind);
+}
+}  // namespace avx2
+}  // namespace kernels
+}  // namespace gwt

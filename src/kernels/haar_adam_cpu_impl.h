@@ -1,0 +1,278 @@
+// Body of the fused Haar WaveletAdam step on the CPU (see include/gwt/kernels.h for the rule).
+//
+// Included by haar_adam_cpu.cpp (baseline ISA) and haar_adam_cpu_avx2.cpp (-mavx2 -mfma), each
+// with its own GWT_KERNEL_NS so the two instantiations never share a symbol; the entry point picks
+// one at run time. The loops are written so the compiler vectorises them: a tile of one row at a
+// time, block sums, then per-coefficient math, then per-element updates.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "gwt/kernels.h"
+
+#ifndef GWT_KERNEL_NS
+#error "define GWT_KERNEL_NS before including haar_adam_cpu_impl.h"
+#endif
+
+namespace gwt {
+namespace kernels {
+namespace GWT_KERNEL_NS {
+
+// Approximation coefficients per tile: tiles are the unit of work and of the norm's reduction,
+// fixed in size so that the summation order never depends on the number of threads.
+constexpr int64_t k_tile = 512;
+
+template <typename P, typename S, typename Acc, int B>
+class HaarAdam {
+ public:
+  explicit HaarAdam(const HaarAdamArgs& args)
+      : a_(args),
+        block_(B > 0 ? B : int64_t{1} << args.level),
+        approx_scale_(static_cast<Acc>(std::pow(2.0, -0.5 * static_cast<double>(args.level)))),
+        tiles_per_row_((args.approx_len + k_tile - 1) / k_tile) {}
+
+  void run() const {
+    const int64_t tiles = a_.rows * tiles_per_row_;
+    if (a_.norm_growth_limit > 0) {
+      std::vector<double> partial(static_cast<size_t>(tiles), 0.0);
+      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        Acc approx[k_tile];
+        for (int64_t t = t0; t < t1; ++t) partial[t] = moments(t, approx);
+      });
+      double norm_sq = 0;
+      for (double p : partial) norm_sq += p;
+      const Acc lim = limiter(static_cast<Acc>(std::sqrt(norm_sq)));
+      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        Acc approx[k_tile];
+        for (int64_t t = t0; t < t1; ++t) update(t, lim, approx);
+      });
+    } else {
+      // No limiter: one pass; each tile updates its moments, then its parameters.
+      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        Acc approx[k_tile];
+        for (int64_t t = t0; t < t1; ++t) {
+          moments(t, approx);
+          update(t, Acc(1), approx);
+        }
+      });
+    }
+  }
+
+ private:
+  struct Tile {
+    int64_t row, first, count;  // approximation coefficients [first, first + count) of row
+  };
+  Tile tile(int64_t t) const {
+    const int64_t row = t / tiles_per_row_;
+    const int64_t first = (t % tiles_per_row_) * k_tile;
+    return {row, first, std::min(k_tile, a_.approx_len - first)};
+  }
+
+  // approx[j] = (sum of block first + j) * 2^(-L/2), zeros past n (PyWavelets' zero mode).
+  void block_sums(const Tile& tl, Acc* approx) const {
+    const P* g = static_cast<const P*>(a_.grad) + tl.row * a_.n;
+    const int64_t bs = block_;
+    int64_t full = tl.count;
+    if ((tl.first + tl.count) * bs > a_.n) full = tl.count - 1;  // the row's last, partial block
+    for (int64_t j = 0; j < full; ++j) {
+      const P* src = g + (tl.first + j) * bs;
+      Acc sum = 0;
+      for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) sum += static_cast<Acc>(src[q]);
+      approx[j] = sum * approx_scale_;
+    }
+    if (full < tl.count) {
+      Acc sum = 0;
+      for (int64_t i = (tl.first + full) * bs; i < a_.n; ++i) sum += static_cast<Acc>(g[i]);
+      approx[full] = sum * approx_scale_;
+    }
+  }
+
+  // Pass 1: m, v updated; returns sum of (m / (sqrt(v) + eps))^2 over the tile.
+  double moments(int64_t t, Acc* approx) const {
+    const Tile tl = tile(t);
+    block_sums(tl, approx);
+    S* m = static_cast<S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
+    S* v = static_cast<S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
+    const Acc b1 = static_cast<Acc>(a_.beta1), b2 = static_cast<Acc>(a_.beta2);
+    const Acc c1 = static_cast<Acc>(1 - a_.beta1), c2 = static_cast<Acc>(1 - a_.beta2);
+    const Acc eps = static_cast<Acc>(a_.eps);
+    Acc norm_sq = 0;
+    for (int64_t j = 0; j < tl.count; ++j) {
+      const Acc x = approx[j];
+      const S mj = static_cast<S>(b1 * static_cast<Acc>(m[j]) + c1 * x);
+      const S vj = static_cast<S>(b2 * static_cast<Acc>(v[j]) + c2 * x * x);
+      m[j] = mj;
+      v[j] = vj;
+      // The limiter sees the moments as stored (they may be rounded to a narrower S).
+      const Acc normalized = static_cast<Acc>(mj) / (std::sqrt(static_cast<Acc>(vj)) + eps);
+      norm_sq += normalized * normalized;
+    }
+    return static_cast<double>(norm_sq);
+  }
+
+  // lim = max(||N|| / (s + 1e-8), gamma) / gamma, s <- ||N|| / lim; the first step records s.
+  Acc limiter(Acc norm) const {
+    auto* saved = static_cast<Acc*>(a_.saved_norm);
+    const Acc gamma = static_cast<Acc>(a_.norm_growth_limit);
+    if (!a_.has_saved_norm) {
+      *saved = norm;
+      return Acc(1);
+    }
+    const Acc lim = std::max(norm / (*saved + static_cast<Acc>(1e-8)), gamma) / gamma;
+    *saved = norm / lim;
+    return lim;
+  }
+
+  // Pass 2: p -= step_size * (g + (m - A) 2^(-L/2)) / ((sqrt(v) + eps) lim); p -= decay * p.
+  void update(int64_t t, Acc lim, Acc* approx) const {
+    const Tile tl = tile(t);
+    block_sums(tl, approx);
+    const S* m = static_cast<const S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
+    const S* v = static_cast<const S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
+    const Acc eps = static_cast<Acc>(a_.eps), step = static_cast<Acc>(a_.step_size);
+    // approx[j] becomes the block's shift, factor[j] its step / denominator.
+    Acc factor[k_tile];
+    for (int64_t j = 0; j < tl.count; ++j) {
+      factor[j] = step / ((std::sqrt(static_cast<Acc>(v[j])) + eps) * lim);
+      approx[j] = (static_cast<Acc>(m[j]) - approx[j]) * approx_scale_;
+    }
+    const P* g = static_cast<const P*>(a_.grad) + tl.row * a_.n + tl.first * block_;
+    P* p = static_cast<P*>(a_.param) + tl.row * a_.n + tl.first * block_;
+    const int64_t elements = std::min(tl.count * block_, a_.n - tl.first * block_);
+    const Acc keep = static_cast<Acc>(-a_.decay);
+    const int64_t bs = block_;
+    if (elements == tl.count * bs) {
+      for (int64_t j = 0; j < tl.count; ++j) {
+        const Acc f = factor[j], s = approx[j];
+        for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) {
+          const int64_t i = j * bs + q;
+          Acc x = static_cast<Acc>(p[i]) - f * (static_cast<Acc>(g[i]) + s);
+          x = x + keep * x;  // decoupled decay, as p.add_(p, -lr * wd)
+          p[i] = static_cast<P>(x);
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < elements; ++i) {
+        const int64_t j = i / bs;
+        Acc x = static_cast<Acc>(p[i]) - factor[j] * (static_cast<Acc>(g[i]) + approx[j]);
+        x = x + keep * x;
+        p[i] = static_cast<P>(x);
+      }
+    }
+  }
+
+  const HaarAdamArgs& a_;
+  int64_t block_;
+  Acc approx_scale_;
+  int64_t tiles_per_row_;
+};
+
+template <typename P, typename S, typename Acc>
+void run_for_level(const HaarAdamArgs& args) {
+  switch (args.level) {
+    case 1:
+      HaarAdam<P, S, Acc, 2>(args).run();
+      return;
+    case 2:
+      HaarAdam<P, S, Acc, 4>(args).run();
+      return;
+    case 3:
+      HaarAdam<P, S, Acc, 8>(args).run();
+      return;
+    default:
+      HaarAdam<P, S, Acc, 0>(args).run();
+  }
+}
+
+template <typename P>
+void run_for_param(const HaarAdamArgs& args) {
+  const bool bf16_state = args.state_kind == ScalarKind::bf16;
+  if (args.math_f64) {
+    if (bf16_state)
+      run_for_level<P, c10::BFloat16, double>(args);
+    else
+      run_for_level<P, double, double>(args);
+  } else if (bf16_state) {
+    run_for_level<P, c10::BFloat16, float>(args);
+  } else {
+    run_for_level<P, float, float>(args);
+  }
+}
+
+// 0 * x is 0 for every finite x and NaN for NaN and +-inf, and never overflows: the sum of 0 * x
+// over a chunk is 0 exactly when the chunk is finite. Vectorises without branches.
+template <typename T>
+bool all_finite(const T* data, int64_t n) {
+  constexpr int64_t chunk = 1 << 16;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  std::vector<float> flags(static_cast<size_t>(chunks), 0.f);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t end = std::min(n, (c + 1) * chunk);
+      float acc = 0;
+      for (int64_t i = c * chunk; i < end; ++i) acc += 0.f * static_cast<float>(data[i]);
+      flags[c] = acc;
+    }
+  });
+  for (float f : flags)
+    if (f != 0.f) return false;
+  return true;
+}
+
+inline bool all_finite(const void* data, int64_t n, ScalarKind kind) {
+  switch (kind) {
+    case ScalarKind::f32:
+      return all_finite(static_cast<const float*>(data), n);
+    case ScalarKind::f64: {
+      // Checked in double: a finite double may be an infinite float.
+      const auto* d = static_cast<const double*>(data);
+      constexpr int64_t chunk = 1 << 16;
+      const int64_t chunks = (n + chunk - 1) / chunk;
+      std::vector<double> flags(static_cast<size_t>(chunks), 0.0);
+      at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t end = std::min(n, (c + 1) * chunk);
+          double acc = 0;
+          for (int64_t i = c * chunk; i < end; ++i) acc += 0.0 * d[i];
+          flags[c] = acc;
+        }
+      });
+      for (double f : flags)
+        if (f != 0.0) return false;
+      return true;
+    }
+    case ScalarKind::f16:
+      return all_finite(static_cast<const c10::Half*>(data), n);
+    case ScalarKind::bf16:
+      return all_finite(static_cast<const c10::BFloat16*>(data), n);
+  }
+  return false;
+}
+
+inline void haar_adam_step(const HaarAdamArgs& args) {
+  switch (args.param_kind) {
+    case ScalarKind::f32:
+      run_for_param<float>(args);
+      return;
+    case ScalarKind::f64:
+      run_for_param<double>(args);
+      return;
+    case ScalarKind::f16:
+      run_for_param<c10::Half>(args);
+      return;
+    case ScalarKind::bf16:
+      run_for_param<c10::BFloat16>(args);
+      return;
+  }
+}
+
+}  // namespace GWT_KERNEL_NS
+}  // namespace kernels
+}  // namespace gwt
