@@ -34,3 +34,21 @@ function(gwt_torch_link_options out_var)
   endif()
   set(${out_var} "${opts}" PARENT_SCOPE)
 endfunction()
+
+# ATen's at::parallel_for runs an OpenMP region inline in the caller when LibTorch was built with
+# OpenMP (the PyPI wheels are), so gwt's CPU kernels are compiled with -fopenmp and must link the
+# OpenMP runtime LibTorch itself loads: the wheel's bundled libgomp.so.1 when it has one (linking
+# the system copy as well would make CMake warn that one hides the other), else the toolchain's.
+# Sets <out_var> to what to link (empty when neither exists).
+function(gwt_openmp_runtime out_var)
+  set(runtime "")
+  if(DEFINED TORCH_INSTALL_PREFIX AND EXISTS "${TORCH_INSTALL_PREFIX}/lib/libgomp.so.1")
+    set(runtime "${TORCH_INSTALL_PREFIX}/lib/libgomp.so.1")
+  else()
+    find_package(OpenMP QUIET COMPONENTS CXX)
+    if(OpenMP_CXX_FOUND)
+      set(runtime OpenMP::OpenMP_CXX)
+    endif()
+  endif()
+  set(${out_var} "${runtime}" PARENT_SCOPE)
+endfunction()

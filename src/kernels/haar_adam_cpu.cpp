@@ -1,4 +1,4 @@
-// CPU entry of the fused Haar WaveletAdam step: checks the arguments and picks the AVX2 build of
+// CPU entry of the fused Haar WaveletAdam passes: checks the arguments and picks the AVX2 build of
 // the body when the CPU has it (x86-64), the baseline build otherwise.
 
 #define GWT_KERNEL_NS baseline
@@ -9,36 +9,49 @@ namespace kernels {
 
 #if defined(GWT_HAVE_AVX2_KERNELS)
 namespace avx2 {
-void haar_adam_step_entry(const HaarAdamArgs& args);
+double haar_adam_norm_sq_entry(const HaarAdamArgs& args);
+void haar_adam_update_entry(const HaarAdamArgs& args, double lim);
 bool all_finite_entry(const void* data, int64_t n, ScalarKind kind);
 }  // namespace avx2
-static const bool k_has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+namespace {
+const bool k_has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}  // namespace
+#define GWT_DISPATCH(baseline_call, avx2_call) \
+  if (k_has_avx2) return avx2_call;            \
+  return baseline_call
+#else
+#define GWT_DISPATCH(baseline_call, avx2_call) return baseline_call
 #endif
 
-bool all_finite_cpu(const void* data, int64_t n, ScalarKind kind) {
-#if defined(GWT_HAVE_AVX2_KERNELS)
-  if (k_has_avx2) return avx2::all_finite_entry(data, n, kind);
-#endif
-  return baseline::all_finite(data, n, kind);
-}
-
-void haar_adam_step_cpu(const HaarAdamArgs& args) {
+namespace {
+void check(const HaarAdamArgs& args) {
   TORCH_INTERNAL_ASSERT(args.level >= 1 && args.level <= 30 && args.n >= 1 && args.rows >= 0);
   TORCH_INTERNAL_ASSERT(args.approx_len == (args.n + (int64_t{1} << args.level) - 1) >> args.level);
-  TORCH_INTERNAL_ASSERT(args.norm_growth_limit == 0 || args.saved_norm != nullptr);
-  if (args.rows == 0) return;
-#if defined(GWT_HAVE_AVX2_KERNELS)
-  if (k_has_avx2) {
-    avx2::haar_adam_step_entry(args);
-    return;
-  }
-#endif
-  baseline::haar_adam_step(args);
 }
+}  // namespace
+
+bool all_finite_cpu(const void* data, int64_t n, ScalarKind kind) {
+  GWT_DISPATCH(baseline::all_finite(data, n, kind), avx2::all_finite_entry(data, n, kind));
+}
+
+double haar_adam_norm_sq_cpu(const HaarAdamArgs& args) {
+  check(args);
+  GWT_DISPATCH(baseline::haar_adam_norm_sq(args), avx2::haar_adam_norm_sq_entry(args));
+}
+
+void haar_adam_update_cpu(const HaarAdamArgs& args, double lim) {
+  check(args);
+  GWT_DISPATCH(baseline::haar_adam_update(args, lim), avx2::haar_adam_update_entry(args, lim));
+}
+
+#undef GWT_DISPATCH
 
 #ifndef GWT_WITH_CUDA
 bool built_with_cuda() { return false; }
-void haar_adam_step_cuda(const HaarAdamArgs&) {
+void haar_adam_norm_sq_cuda(const HaarAdamArgs&, void*) {
+  TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
+}
+void haar_adam_update_cuda(const HaarAdamArgs&, const void*) {
   TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
 }
 #endif

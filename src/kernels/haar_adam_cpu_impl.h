@@ -1,7 +1,7 @@
-// Body of the fused Haar WaveletAdam step on the CPU (see include/gwt/kernels.h for the rule).
+// Body of the fused Haar WaveletAdam passes on the CPU (see include/gwt/kernels.h for the rule).
 //
 // Included by haar_adam_cpu.cpp (baseline ISA) and haar_adam_cpu_avx2.cpp (-mavx2 -mfma), each
-// with its own GWT_KERNEL_NS so the two instantiations never share a symbol; the entry point picks
+// with its own GWT_KERNEL_NS so the two instantiations never share a symbol; the entry points pick
 // one at run time. The loops are written so the compiler vectorises them: a tile of one row at a
 // time, block sums, then per-coefficient math, then per-element updates.
 
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "gwt/kernels.h"
@@ -29,40 +30,37 @@ namespace GWT_KERNEL_NS {
 // fixed in size so that the summation order never depends on the number of threads.
 constexpr int64_t k_tile = 512;
 
+// P: parameter/gradient type, S: moment type, Acc: math type, B: block size 2^level (0: runtime).
 template <typename P, typename S, typename Acc, int B>
 class HaarAdam {
  public:
+  using acc_t = Acc;
+
   explicit HaarAdam(const HaarAdamArgs& args)
       : a_(args),
         block_(B > 0 ? B : int64_t{1} << args.level),
         approx_scale_(static_cast<Acc>(std::pow(2.0, -0.5 * static_cast<double>(args.level)))),
         tiles_per_row_((args.approx_len + k_tile - 1) / k_tile) {}
 
-  void run() const {
+  // Norm pass over all tiles: fixed tiles, summed in order.
+  double norm_sq() const {
     const int64_t tiles = a_.rows * tiles_per_row_;
-    if (a_.norm_growth_limit > 0) {
-      std::vector<double> partial(static_cast<size_t>(tiles), 0.0);
-      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-        Acc approx[k_tile];
-        for (int64_t t = t0; t < t1; ++t) partial[t] = moments(t, approx);
-      });
-      double norm_sq = 0;
-      for (double p : partial) norm_sq += p;
-      const Acc lim = limiter(static_cast<Acc>(std::sqrt(norm_sq)));
-      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-        Acc approx[k_tile];
-        for (int64_t t = t0; t < t1; ++t) update(t, lim, approx);
-      });
-    } else {
-      // No limiter: one pass; each tile updates its moments, then its parameters.
-      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-        Acc approx[k_tile];
-        for (int64_t t = t0; t < t1; ++t) {
-          moments(t, approx);
-          update(t, Acc(1), approx);
-        }
-      });
-    }
+    std::vector<double> partial(static_cast<size_t>(tiles), 0.0);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      Acc approx[k_tile];
+      for (int64_t t = t0; t < t1; ++t) partial[t] = tile_norm_sq(t, approx);
+    });
+    double sum = 0;
+    for (double p : partial) sum += p;
+    return sum;
+  }
+
+  void update(Acc lim) const {
+    const int64_t tiles = a_.rows * tiles_per_row_;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      Acc approx[k_tile];
+      for (int64_t t = t0; t < t1; ++t) tile_update(t, lim, approx);
+    });
   }
 
  private:
@@ -94,60 +92,55 @@ class HaarAdam {
     }
   }
 
-  // Pass 1: m, v updated; returns sum of (m / (sqrt(v) + eps))^2 over the tile.
-  double moments(int64_t t, Acc* approx) const {
-    const Tile tl = tile(t);
-    block_sums(tl, approx);
-    S* m = static_cast<S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
-    S* v = static_cast<S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
+  // The new moments of coefficient j in the math type, rounded to S as they will be stored.
+  struct Moments {
+    Acc m, v;
+  };
+  Moments new_moments(const S* m, const S* v, int64_t j, Acc x) const {
     const Acc b1 = static_cast<Acc>(a_.beta1), b2 = static_cast<Acc>(a_.beta2);
     const Acc c1 = static_cast<Acc>(1 - a_.beta1), c2 = static_cast<Acc>(1 - a_.beta2);
-    const Acc eps = static_cast<Acc>(a_.eps);
-    Acc norm_sq = 0;
-    for (int64_t j = 0; j < tl.count; ++j) {
-      const Acc x = approx[j];
-      const S mj = static_cast<S>(b1 * static_cast<Acc>(m[j]) + c1 * x);
-      const S vj = static_cast<S>(b2 * static_cast<Acc>(v[j]) + c2 * x * x);
-      m[j] = mj;
-      v[j] = vj;
-      // The limiter sees the moments as stored (they may be rounded to a narrower S).
-      const Acc normalized = static_cast<Acc>(mj) / (std::sqrt(static_cast<Acc>(vj)) + eps);
-      norm_sq += normalized * normalized;
-    }
-    return static_cast<double>(norm_sq);
+    return {static_cast<Acc>(static_cast<S>(b1 * static_cast<Acc>(m[j]) + c1 * x)),
+            static_cast<Acc>(static_cast<S>(b2 * static_cast<Acc>(v[j]) + c2 * x * x))};
   }
 
-  // lim = max(||N|| / (s + 1e-8), gamma) / gamma, s <- ||N|| / lim; the first step records s.
-  Acc limiter(Acc norm) const {
-    auto* saved = static_cast<Acc*>(a_.saved_norm);
-    const Acc gamma = static_cast<Acc>(a_.norm_growth_limit);
-    if (!a_.has_saved_norm) {
-      *saved = norm;
-      return Acc(1);
-    }
-    const Acc lim = std::max(norm / (*saved + static_cast<Acc>(1e-8)), gamma) / gamma;
-    *saved = norm / lim;
-    return lim;
-  }
-
-  // Pass 2: p -= step_size * (g + (m - A) 2^(-L/2)) / ((sqrt(v) + eps) lim); p -= decay * p.
-  void update(int64_t t, Acc lim, Acc* approx) const {
+  // Norm pass of one tile: sum of (m' / (sqrt(v') + eps))^2. Reads only.
+  double tile_norm_sq(int64_t t, Acc* approx) const {
     const Tile tl = tile(t);
     block_sums(tl, approx);
     const S* m = static_cast<const S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
     const S* v = static_cast<const S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
+    const Acc eps = static_cast<Acc>(a_.eps);
+    Acc sum = 0;
+    for (int64_t j = 0; j < tl.count; ++j) {
+      const Moments mv = new_moments(m, v, j, approx[j]);
+      const Acc normalized = mv.m / (std::sqrt(mv.v) + eps);
+      sum += normalized * normalized;
+    }
+    return static_cast<double>(sum);
+  }
+
+  // Update pass of one tile: m, v <- m', v';
+  // p -= step_size * (g + (m' - A) 2^(-L/2)) / ((sqrt(v') + eps) lim);  p -= decay * p.
+  void tile_update(int64_t t, Acc lim, Acc* approx) const {
+    const Tile tl = tile(t);
+    block_sums(tl, approx);
+    S* m = static_cast<S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
+    S* v = static_cast<S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
     const Acc eps = static_cast<Acc>(a_.eps), step = static_cast<Acc>(a_.step_size);
     // approx[j] becomes the block's shift, factor[j] its step / denominator.
     Acc factor[k_tile];
     for (int64_t j = 0; j < tl.count; ++j) {
-      factor[j] = step / ((std::sqrt(static_cast<Acc>(v[j])) + eps) * lim);
-      approx[j] = (static_cast<Acc>(m[j]) - approx[j]) * approx_scale_;
+      const Moments mv = new_moments(m, v, j, approx[j]);
+      m[j] = static_cast<S>(mv.m);
+      v[j] = static_cast<S>(mv.v);
+      factor[j] = step / ((std::sqrt(mv.v) + eps) * lim);
+      approx[j] = (mv.m - approx[j]) * approx_scale_;
     }
     const P* g = static_cast<const P*>(a_.grad) + tl.row * a_.n + tl.first * block_;
     P* p = static_cast<P*>(a_.param) + tl.row * a_.n + tl.first * block_;
-    const int64_t elements = std::min(tl.count * block_, a_.n - tl.first * block_);
-    const Acc keep = static_cast<Acc>(-a_.decay);
     const int64_t bs = block_;
+    const int64_t elements = std::min(tl.count * bs, a_.n - tl.first * bs);
+    const Acc keep = static_cast<Acc>(-a_.decay);
     if (elements == tl.count * bs) {
       for (int64_t j = 0; j < tl.count; ++j) {
         const Acc f = factor[j], s = approx[j];
@@ -174,103 +167,90 @@ class HaarAdam {
   int64_t tiles_per_row_;
 };
 
-template <typename P, typename S, typename Acc>
-void run_for_level(const HaarAdamArgs& args) {
+// Calls fn(kernel) with the HaarAdam instance for the argument's types and level.
+template <typename P, typename S, typename Acc, typename Fn>
+auto with_level(const HaarAdamArgs& args, Fn&& fn) {
   switch (args.level) {
     case 1:
-      HaarAdam<P, S, Acc, 2>(args).run();
-      return;
+      return fn(HaarAdam<P, S, Acc, 2>(args));
     case 2:
-      HaarAdam<P, S, Acc, 4>(args).run();
-      return;
+      return fn(HaarAdam<P, S, Acc, 4>(args));
     case 3:
-      HaarAdam<P, S, Acc, 8>(args).run();
-      return;
+      return fn(HaarAdam<P, S, Acc, 8>(args));
     default:
-      HaarAdam<P, S, Acc, 0>(args).run();
+      return fn(HaarAdam<P, S, Acc, 0>(args));
   }
 }
 
-template <typename P>
-void run_for_param(const HaarAdamArgs& args) {
+template <typename P, typename Fn>
+auto with_state(const HaarAdamArgs& args, Fn&& fn) {
   const bool bf16_state = args.state_kind == ScalarKind::bf16;
   if (args.math_f64) {
-    if (bf16_state)
-      run_for_level<P, c10::BFloat16, double>(args);
-    else
-      run_for_level<P, double, double>(args);
-  } else if (bf16_state) {
-    run_for_level<P, c10::BFloat16, float>(args);
-  } else {
-    run_for_level<P, float, float>(args);
+    if (bf16_state) return with_level<P, c10::BFloat16, double>(args, fn);
+    return with_level<P, double, double>(args, fn);
   }
+  if (bf16_state) return with_level<P, c10::BFloat16, float>(args, fn);
+  return with_level<P, float, float>(args, fn);
+}
+
+template <typename Fn>
+auto with_types(const HaarAdamArgs& args, Fn&& fn) {
+  switch (args.param_kind) {
+    case ScalarKind::f64:
+      return with_state<double>(args, fn);
+    case ScalarKind::f16:
+      return with_state<c10::Half>(args, fn);
+    case ScalarKind::bf16:
+      return with_state<c10::BFloat16>(args, fn);
+    case ScalarKind::f32:
+    default:
+      return with_state<float>(args, fn);
+  }
+}
+
+inline double haar_adam_norm_sq(const HaarAdamArgs& args) {
+  return with_types(args, [](const auto& kernel) { return kernel.norm_sq(); });
+}
+
+inline void haar_adam_update(const HaarAdamArgs& args, double lim) {
+  with_types(args, [lim](const auto& kernel) {
+    using Acc = typename std::decay_t<decltype(kernel)>::acc_t;
+    kernel.update(static_cast<Acc>(lim));
+  });
 }
 
 // 0 * x is 0 for every finite x and NaN for NaN and +-inf, and never overflows: the sum of 0 * x
 // over a chunk is 0 exactly when the chunk is finite. Vectorises without branches.
-template <typename T>
-bool all_finite(const T* data, int64_t n) {
+template <typename Acc, typename T>
+bool all_finite_typed(const T* data, int64_t n) {
   constexpr int64_t chunk = 1 << 16;
   const int64_t chunks = (n + chunk - 1) / chunk;
-  std::vector<float> flags(static_cast<size_t>(chunks), 0.f);
+  std::vector<Acc> flags(static_cast<size_t>(chunks), Acc(0));
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t end = std::min(n, (c + 1) * chunk);
-      float acc = 0;
-      for (int64_t i = c * chunk; i < end; ++i) acc += 0.f * static_cast<float>(data[i]);
+      Acc acc = 0;
+      for (int64_t i = c * chunk; i < end; ++i) acc += Acc(0) * static_cast<Acc>(data[i]);
       flags[c] = acc;
     }
   });
-  for (float f : flags)
-    if (f != 0.f) return false;
+  for (Acc f : flags)
+    if (f != Acc(0)) return false;
   return true;
 }
 
 inline bool all_finite(const void* data, int64_t n, ScalarKind kind) {
   switch (kind) {
     case ScalarKind::f32:
-      return all_finite(static_cast<const float*>(data), n);
-    case ScalarKind::f64: {
-      // Checked in double: a finite double may be an infinite float.
-      const auto* d = static_cast<const double*>(data);
-      constexpr int64_t chunk = 1 << 16;
-      const int64_t chunks = (n + chunk - 1) / chunk;
-      std::vector<double> flags(static_cast<size_t>(chunks), 0.0);
-      at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-        for (int64_t c = c0; c < c1; ++c) {
-          const int64_t end = std::min(n, (c + 1) * chunk);
-          double acc = 0;
-          for (int64_t i = c * chunk; i < end; ++i) acc += 0.0 * d[i];
-          flags[c] = acc;
-        }
-      });
-      for (double f : flags)
-        if (f != 0.0) return false;
-      return true;
-    }
+      return all_finite_typed<float>(static_cast<const float*>(data), n);
+    case ScalarKind::f64:  // in double: a finite double may be an infinite float
+      return all_finite_typed<double>(static_cast<const double*>(data), n);
     case ScalarKind::f16:
-      return all_finite(static_cast<const c10::Half*>(data), n);
+      return all_finite_typed<float>(static_cast<const c10::Half*>(data), n);
     case ScalarKind::bf16:
-      return all_finite(static_cast<const c10::BFloat16*>(data), n);
+      return all_finite_typed<float>(static_cast<const c10::BFloat16*>(data), n);
   }
   return false;
-}
-
-inline void haar_adam_step(const HaarAdamArgs& args) {
-  switch (args.param_kind) {
-    case ScalarKind::f32:
-      run_for_param<float>(args);
-      return;
-    case ScalarKind::f64:
-      run_for_param<double>(args);
-      return;
-    case ScalarKind::f16:
-      run_for_param<c10::Half>(args);
-      return;
-    case ScalarKind::bf16:
-      run_for_param<c10::BFloat16>(args);
-      return;
-  }
 }
 
 }  // namespace GWT_KERNEL_NS

@@ -212,6 +212,11 @@ struct Work {
   at::Tensor param;
   const WaveletAdamOptions* options;
   Plan plan;
+  bool fused = false;                                  // the fused Haar kernel runs this step
+  at::Tensor grad;                                     // fused: contiguous, in the param's dtype
+  WaveletAdamParamState* state = nullptr;              // existing state, or fresh_state
+  std::unique_ptr<WaveletAdamParamState> fresh_state;  // committed only if the step is taken
+  at::Tensor norm_sq;                                  // fused: result of the norm pass (0-dim)
 };
 
 // p -= lr * weight_decay * p, after the update (decoupled).
@@ -328,44 +333,81 @@ bool fused_haar_applies(const at::Tensor& param, const WaveletAdamOptions& o, co
   return param.device().is_cpu();
 }
 
-void fused_haar_update(const Work& work, WaveletAdamParamState& state, double step_size) {
+kernels::HaarAdamArgs haar_args(const Work& work, double step_size) {
   const WaveletAdamOptions& o = *work.options;
-  const at::Tensor& param = work.param;
-  at::Tensor grad = param.grad();
-  if (grad.scalar_type() != param.scalar_type()) grad = grad.to(param.scalar_type());
-  grad = grad.contiguous();
-  const bool had_norm = state.norm().defined();
-  if (o.norm_growth_limit() > 0 && !had_norm)
-    state.norm(at::zeros({}, param.options().dtype(compute_dtype(param))));
+  const WaveletAdamParamState& state = *work.state;
   kernels::HaarAdamArgs args;
-  args.param = param.data_ptr();
-  args.grad = grad.data_ptr();
+  args.param = work.param.data_ptr();
+  args.grad = work.grad.data_ptr();
   args.exp_avg = state.exp_avg().data_ptr();
   args.exp_avg_sq = state.exp_avg_sq().data_ptr();
-  args.saved_norm = o.norm_growth_limit() > 0 ? state.norm().data_ptr() : nullptr;
-  args.has_saved_norm = had_norm;
-  args.param_kind = kind_of(param.scalar_type());
+  args.param_kind = kind_of(work.param.scalar_type());
   args.state_kind = kind_of(state.exp_avg().scalar_type());
-  args.math_f64 = compute_dtype(param) == at::kDouble;
-  args.n = param.size(-1);
-  args.rows = args.n == 0 ? 0 : param.numel() / args.n;
+  args.math_f64 = compute_dtype(work.param) == at::kDouble;
+  args.n = work.param.size(-1);
+  args.rows = work.param.numel() / args.n;
   args.approx_len = state.exp_avg().size(-1);
   args.level = o.level();
   std::tie(args.beta1, args.beta2) = o.betas();
   args.eps = o.eps();
   args.step_size = step_size * o.scale();
   args.decay = o.lr() * o.weight_decay();
-  args.norm_growth_limit = o.norm_growth_limit();
-  if (param.is_cuda())
-    kernels::haar_adam_step_cuda(args);
-  else
-    kernels::haar_adam_step_cpu(args);
+  return args;
 }
 
-void update_param(const Work& work, WaveletAdamParamState& state) {
+// Norm pass of the fused kernel: reads only, so a non-finite gradient (which makes the result NaN)
+// can still skip the step with nothing changed.
+void fused_haar_norm_pass(Work& work) {
+  work.grad = work.param.grad().to(work.param.scalar_type()).contiguous();
+  const kernels::HaarAdamArgs args = haar_args(work, 0.0);
+  const auto acc = work.param.options().dtype(compute_dtype(work.param));
+  if (work.param.is_cuda()) {
+    work.norm_sq = at::zeros({}, acc);
+    kernels::haar_adam_norm_sq_cuda(args, work.norm_sq.data_ptr());
+  } else {
+    work.norm_sq = at::scalar_tensor(kernels::haar_adam_norm_sq_cpu(args), acc.dtype(at::kDouble));
+  }
+}
+
+// Update pass: the limiter of SPEC 1.1 from the norm pass's result, then the kernel.
+void fused_haar_update(const Work& work, WaveletAdamParamState& state, double step_size) {
+  const WaveletAdamOptions& o = *work.options;
+  const kernels::HaarAdamArgs args = haar_args(work, step_size);
+  const double gamma = o.norm_growth_limit();
+  if (!work.param.is_cuda()) {
+    double lim = 1.0;
+    if (gamma > 0) {
+      const double norm = std::sqrt(work.norm_sq.item<double>());
+      const auto acc = compute_dtype(work.param);
+      if (!state.norm().defined()) {
+        state.norm(at::scalar_tensor(norm, acc));
+      } else {
+        lim = std::max(norm / (state.norm().item<double>() + 1e-8), gamma) / gamma;
+        state.norm(at::scalar_tensor(norm / lim, acc));
+      }
+    }
+    kernels::haar_adam_update_cpu(args, lim);
+    return;
+  }
+  // On the device: 0-dim tensor arithmetic, no synchronisation with the host.
+  at::Tensor lim = at::ones({}, work.norm_sq.options());
+  if (gamma > 0) {
+    const at::Tensor norm = work.norm_sq.sqrt();
+    if (!state.norm().defined()) {
+      state.norm(norm);
+    } else {
+      lim = at::clamp_min(norm / (state.norm() + 1e-8), gamma) / gamma;
+      state.norm(norm / lim);
+    }
+  }
+  kernels::haar_adam_update_cuda(args, lim.data_ptr());
+}
+
+void update_param(const Work& work) {
+  WaveletAdamParamState& state = *work.state;
   state.step(state.step() + 1);
   const double step_size = step_size_of(*work.options, state.step());
-  if (fused_haar_applies(work.param, *work.options, work.plan))
+  if (work.fused)
     fused_haar_update(work, state, step_size);
   else
     reference_update(work, state, step_size);
@@ -442,23 +484,47 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       auto it = state_.find(param.unsafeGetTensorImpl());
       if (it != state_.end())
         check_state(static_cast<const WaveletAdamParamState&>(*it->second), param, plan);
-      work.push_back({param, &options, std::move(plan)});
+      Work w;
+      w.param = param;
+      w.options = &options;
+      w.fused = fused_haar_applies(param, options, plan);
+      w.plan = std::move(plan);
+      if (it != state_.end()) w.state = static_cast<WaveletAdamParamState*>(it->second.get());
+      work.push_back(std::move(w));
     }
   }
   if (work.empty()) return loss;
 
-  // A NaN or infinity anywhere skips the whole step. CPU gradients are checked in one read each;
-  // others on their device with one synchronisation for all of them.
+  // Fresh state for first steps, committed only if the step is taken.
+  for (auto& w : work) {
+    if (w.state != nullptr) continue;
+    w.fresh_state = std::make_unique<WaveletAdamParamState>();
+    const auto options = w.param.options().dtype(state_dtype(w.param, *w.options));
+    w.fresh_state->exp_avg(at::zeros(w.plan.state_shape, options));
+    w.fresh_state->exp_avg_sq(at::zeros(w.plan.state_shape, options));
+    w.state = w.fresh_state.get();
+  }
+
+  // A NaN or infinity in any gradient skips the whole step. The fused norm pass reads only and
+  // turns NaN on such a gradient, so it is the check for its parameters; other CPU gradients take
+  // one read each, gradients on other devices one synchronisation for all of them.
   bool finite = true;
   std::vector<at::Tensor> device_flags;
-  for (const auto& w : work) {
-    const at::Tensor& grad = w.param.grad();
-    const auto t = grad.scalar_type();
-    const bool kernel_dtype = t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-    if (grad.device().is_cpu() && grad.is_contiguous() && kernel_dtype) {
-      finite = finite && kernels::all_finite_cpu(grad.data_ptr(), grad.numel(), kind_of(grad.scalar_type()));
+  for (auto& w : work) {
+    if (w.fused) {
+      fused_haar_norm_pass(w);
+      if (w.norm_sq.is_cpu())
+        finite = std::isfinite(w.norm_sq.item<double>());
+      else
+        device_flags.push_back(at::isfinite(w.norm_sq).to(work.front().param.device()));
     } else {
-      device_flags.push_back(at::isfinite(grad).all().to(work.front().param.device()));
+      const at::Tensor& grad = w.param.grad();
+      const auto t = grad.scalar_type();
+      const bool kernel_dtype = t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+      if (grad.device().is_cpu() && grad.is_contiguous() && kernel_dtype)
+        finite = kernels::all_finite_cpu(grad.data_ptr(), grad.numel(), kind_of(t));
+      else
+        device_flags.push_back(at::isfinite(grad).all().to(work.front().param.device()));
     }
     if (!finite) break;
   }
@@ -468,17 +534,9 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
     return loss;
   }
 
-  // Pass 2: update.
-  for (const auto& w : work) {
-    auto& slot = state_[w.param.unsafeGetTensorImpl()];
-    if (!slot) {
-      auto state = std::make_unique<WaveletAdamParamState>();
-      const auto options = w.param.options().dtype(state_dtype(w.param, *w.options));
-      state->exp_avg(at::zeros(w.plan.state_shape, options));
-      state->exp_avg_sq(at::zeros(w.plan.state_shape, options));
-      slot = std::move(state);
-    }
-    update_param(w, static_cast<WaveletAdamParamState&>(*slot));
+  for (auto& w : work) {
+    if (w.fresh_state) state_[w.param.unsafeGetTensorImpl()] = std::move(w.fresh_state);
+    update_param(w);
   }
   return loss;
 }
