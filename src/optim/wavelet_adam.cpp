@@ -663,6 +663,16 @@ int64_t WaveletAdam::state_bytes() const {
   return bytes;
 }
 
+bool WaveletAdam::is_fused_param(const at::Tensor& param) const {
+  for (const auto& group : param_groups())
+    for (const auto& p : group.params())
+      if (p.is_same(param)) {
+        const auto& options = options_of(group);
+        return fused_haar_applies(param, options, plan_for(param, options));
+      }
+  TORCH_CHECK(false, "gwt::WaveletAdam::is_fused_param: the tensor is not a parameter of this optimizer");
+}
+
 bool WaveletAdam::is_wavelet_param(const at::Tensor& param) const {
   for (const auto& group : param_groups())
     for (const auto& p : group.params())

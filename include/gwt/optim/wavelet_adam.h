@@ -102,6 +102,8 @@ class WaveletAdam : public torch::optim::Optimizer {
   int64_t state_bytes(const at::Tensor& param) const;
   /// Whether `param` takes the wavelet path under its group's options.
   bool is_wavelet_param(const at::Tensor& param) const;
+  /// Whether `param`'s step runs in a fused kernel (else the ATen reference).
+  bool is_fused_param(const at::Tensor& param) const;
   /// Steps skipped because a gradient was not finite.
   int64_t skipped_steps() const { return skipped_steps_; }
   /// The options of group i.

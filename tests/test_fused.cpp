@@ -1,0 +1,223 @@
+// The fused kernels against the readable ATen reference (WaveletAdamOptions::fused(false)).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <torch/serialize.h>
+
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gwt/gwt.h"
+#include "test_util.h"
+
+namespace {
+
+using gwt::WaveletAdam;
+using gwt::WaveletAdamOptions;
+using gwt_test::max_abs_diff;
+
+struct OptRun {
+  at::Tensor param;
+  std::unique_ptr<WaveletAdam> opt;
+};
+
+OptRun make_run(const at::Tensor& init, at::ScalarType dtype, const WaveletAdamOptions& options) {
+  OptRun r;
+  r.param = init.to(dtype).clone().requires_grad_(true);
+  r.opt = std::make_unique<WaveletAdam>(std::vector<at::Tensor>{r.param}, options);
+  return r;
+}
+
+void step(OptRun& r, const at::Tensor& grad) {
+  r.param.mutable_grad() = grad.to(r.param.scalar_type());
+  r.opt->step();
+}
+
+// Growing gradients so the norm-growth limiter acts.
+std::vector<at::Tensor> gradients(at::IntArrayRef shape, int steps, int64_t seed) {
+  at::manual_seed(seed);
+  std::vector<at::Tensor> out;
+  for (int t = 0; t < steps; ++t) out.push_back(at::randn(shape, at::kDouble) * (1 + 2 * t));
+  return out;
+}
+
+WaveletAdamOptions base_options() {
+  return WaveletAdamOptions(0.02).weight_decay(0.1).scale(0.5).wavelet("haar");
+}
+
+// max |a - b| / max |b|: the error relative to the parameter's magnitude.
+double rel_error(const at::Tensor& a, const at::Tensor& b) {
+  return max_abs_diff(a, b) / b.to(at::kDouble).abs().max().item<double>();
+}
+
+// fp32: within 1e-5 relative of the reference, element by element (relative to |p| plus the mean
+// |p|, so that values crossing zero do not demand more than float32 holds), except where the reference
+// itself is further than that from float64: a block whose gradients nearly cancel has a tiny
+// approximation coefficient and denominator, and float32 rounding of that sum shows in the update
+// of both implementations. There the allowance is twice the reference's own error.
+void expect_close_to_reference(const at::Tensor& fused, const at::Tensor& reference, const at::Tensor& exact) {
+  const at::Tensor f = fused.to(at::kDouble), r = reference.to(at::kDouble);
+  const at::Tensor allowed = 1e-5 * (r.abs() + r.abs().mean()) + 2 * (r - exact).abs();
+  const at::Tensor excess = ((f - r).abs() - allowed);
+  EXPECT_LE(excess.max().item<double>(), 0.0)
+      << "worst |fused - reference| " << (f - r).abs().max().item<double>();
+}
+
+TEST(Fused, HaarMatchesReferenceInFloat32AcrossShapesAndLevels) {
+  const std::vector<std::vector<int64_t>> shapes = {{8, 64}, {5, 37}, {3, 4, 33}, {2, 1031}, {16, 8}};
+  for (const auto& shape : shapes)
+    for (int64_t level : {1, 2, 3})
+      for (double gamma : {1.01, 0.0}) {
+        SCOPED_TRACE("shape " + c10::str(at::IntArrayRef(shape)) + " level " + std::to_string(level) +
+                     " gamma " + std::to_string(gamma));
+        const auto o = base_options().level(level).norm_growth_limit(gamma);
+        const at::Tensor init = at::randn(shape, at::kDouble);
+        OptRun fused = make_run(init, at::kFloat, WaveletAdamOptions(o).fused(true));
+        OptRun reference = make_run(init, at::kFloat, WaveletAdamOptions(o).fused(false));
+        OptRun exact = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+        ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
+        ASSERT_FALSE(reference.opt->is_fused_param(reference.param));
+        for (const auto& g : gradients(shape, 6, 21)) {
+          const at::Tensor g32 = g.to(at::kFloat).to(at::kDouble);
+          step(fused, g32), step(reference, g32), step(exact, g32);
+          expect_close_to_reference(fused.param, reference.param, exact.param);
+        }
+        // Where nothing is ill-conditioned the plain rule holds: the moments.
+        const auto& sf = static_cast<const gwt::WaveletAdamParamState&>(
+            *fused.opt->state().at(fused.param.unsafeGetTensorImpl()));
+        const auto& sr = static_cast<const gwt::WaveletAdamParamState&>(
+            *reference.opt->state().at(reference.param.unsafeGetTensorImpl()));
+        EXPECT_LE(rel_error(sf.exp_avg(), sr.exp_avg()), 1e-5);
+      }
+}
+
+TEST(Fused, HaarMatchesReferenceInFloat64) {
+  for (int64_t level : {1, 2, 3}) {
+    const auto o = base_options().level(level);
+    const at::Tensor init = at::randn({6, 45}, at::kDouble);
+    OptRun fused = make_run(init, at::kDouble, o);
+    OptRun reference = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+    ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
+    for (const auto& g : gradients({6, 45}, 6, 22)) {
+      step(fused, g), step(reference, g);
+      EXPECT_LE(rel_error(fused.param, reference.param), 1e-13) << "level " << level;
+    }
+  }
+}
+
+TEST(Fused, NonContiguousGradient) {
+  const at::Tensor init = at::randn({8, 40}, at::kDouble);
+  OptRun fused = make_run(init, at::kFloat, base_options());
+  OptRun reference = make_run(init, at::kFloat, base_options().fused(false));
+  OptRun exact = make_run(init, at::kDouble, base_options().fused(false));
+  for (int t = 0; t < 4; ++t) {
+    const at::Tensor g = at::randn({40, 8}).t();  // a transposed view
+    ASSERT_FALSE(g.is_contiguous());
+    fused.param.mutable_grad() = g;
+    reference.param.mutable_grad() = g.clone();
+    exact.param.mutable_grad() = g.to(at::kDouble);
+    fused.opt->step(), reference.opt->step(), exact.opt->step();
+    expect_close_to_reference(fused.param, reference.param, exact.param);
+  }
+}
+
+// bf16/fp16: at most twice the reference's own error against float64 (plus one unit in the last
+// place of the largest value, for cases where the reference happens to round exactly).
+void check_low_precision(at::ScalarType dtype, const std::string& state_dtype) {
+  const std::vector<int64_t> shape = {12, 70};
+  const auto o = base_options().level(2).state_dtype(state_dtype);
+  const at::Tensor init = at::randn(shape, at::kDouble).to(dtype).to(at::kDouble);
+  OptRun fused = make_run(init, dtype, o);
+  OptRun reference = make_run(init, dtype, WaveletAdamOptions(o).fused(false));
+  OptRun exact = make_run(init, at::kDouble, WaveletAdamOptions(o).state_dtype("auto").fused(false));
+  ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
+  const double ulp = (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
+  for (const auto& g : gradients(shape, 5, 23)) {
+    const at::Tensor g_low = g.to(dtype).to(at::kDouble);  // what the low-precision runs see
+    step(fused, g_low), step(reference, g_low), step(exact, g_low);
+    const double err_reference = max_abs_diff(reference.param, exact.param);
+    const double err_fused = max_abs_diff(fused.param, exact.param);
+    EXPECT_LE(err_fused, 2 * err_reference + ulp) << dtype << " state " << state_dtype;
+  }
+  EXPECT_EQ(fused.opt->state_bytes(fused.param),
+            reference.opt->state_bytes(reference.param));
+}
+
+TEST(Fused, BFloat16AndHalfParametersStayWithinTwiceTheReferenceError) {
+  check_low_precision(at::kBFloat16, "auto");
+  check_low_precision(at::kHalf, "auto");
+}
+
+TEST(Fused, BFloat16StateHalvesTheStateAndStaysWithinTwiceTheReferenceError) {
+  check_low_precision(at::kFloat, "bfloat16");
+  check_low_precision(at::kBFloat16, "bfloat16");
+  at::Tensor p = at::randn({64, 64}).requires_grad_(true);
+  WaveletAdam opt({p}, WaveletAdamOptions().state_dtype("bfloat16"));
+  p.mutable_grad() = at::randn({64, 64});
+  opt.step();
+  EXPECT_EQ(opt.state_bytes(p), 2 * 64 * 16 * 2 + 4);  // bf16 moments + float limiter norm
+}
+
+TEST(Fused, ResultsDoNotDependOnTheThreadCount) {
+  const int threads = at::get_num_threads();
+  const at::Tensor init = at::randn({64, 4096}, at::kDouble);
+  std::vector<at::Tensor> results;
+  for (int n : {1, 2}) {
+    at::set_num_threads(n);
+    OptRun r = make_run(init, at::kFloat, base_options());
+    for (const auto& g : gradients({64, 4096}, 3, 24)) step(r, g);
+    results.push_back(r.param.detach().clone());
+  }
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(results[0], results[1]));
+}
+
+TEST(Fused, SaveLoadMidRunContinuesBitIdentically) {
+  const at::Tensor init = at::randn({10, 52}, at::kDouble);
+  const auto grads = gradients({10, 52}, 8, 25);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    OptRun straight = make_run(init, dtype, base_options().level(3));
+    for (const auto& g : grads) step(straight, g);
+
+    OptRun first = make_run(init, dtype, base_options().level(3));
+    for (int t = 0; t < 4; ++t) step(first, grads[t]);
+    const std::string path = ::testing::TempDir() + "gwt_fused_" + std::to_string(::getpid()) + ".pt";
+    torch::save(*first.opt, path);
+    OptRun second = make_run(first.param.detach(), dtype, WaveletAdamOptions(0.5));
+    torch::load(*second.opt, path);
+    std::remove(path.c_str());
+    ASSERT_TRUE(second.opt->is_fused_param(second.param));
+    for (int t = 4; t < 8; ++t) step(second, grads[t]);
+    EXPECT_TRUE(at::equal(second.param, straight.param)) << dtype;
+  }
+}
+
+TEST(Fused, AppliesOnlyWhereItReproducesTheReference) {
+  auto fused_for = [](at::IntArrayRef shape, const WaveletAdamOptions& o) {
+    at::Tensor p = at::randn(shape).requires_grad_(true);
+    return WaveletAdam({p}, o).is_fused_param(p);
+  };
+  EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().level(2)));                      // zero mode pads
+  EXPECT_TRUE(fused_for({4, 32}, WaveletAdamOptions().boundary("periodization")));     // no padding
+  EXPECT_FALSE(fused_for({4, 30}, WaveletAdamOptions().boundary("periodization")));    // would pad
+  EXPECT_FALSE(fused_for({32, 4}, WaveletAdamOptions().dim(0)));                       // not last
+  EXPECT_FALSE(fused_for({4, 32}, WaveletAdamOptions().fused(false)));
+  EXPECT_FALSE(fused_for({32}, WaveletAdamOptions()));                                 // dense
+}
+
+TEST(Fused, NonFiniteGradientIsCaughtByTheNormPass) {
+  const at::Tensor init = at::randn({4, 64}, at::kDouble);
+  OptRun r = make_run(init, at::kFloat, base_options());
+  step(r, at::randn({4, 64}, at::kDouble));
+  const at::Tensor before = r.param.detach().clone();
+  at::Tensor g = at::randn({4, 64}, at::kDouble);
+  g[2][17] = std::numeric_limits<double>::infinity();
+  step(r, g);
+  EXPECT_EQ(r.opt->skipped_steps(), 1);
+  EXPECT_TRUE(at::equal(before, r.param));
+}
+
+}  // namespace
