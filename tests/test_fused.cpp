@@ -95,17 +95,18 @@ TEST(Fused, HaarMatchesReferenceInFloat32AcrossShapesAndLevels) {
 }
 
 TEST(Fused, HaarMatchesReferenceInFloat64) {
-  for (int64_t level : {1, 2, 3}) {
-    const auto o = base_options().level(level);
-    const at::Tensor init = at::randn({6, 45}, at::kDouble);
-    OptRun fused = make_run(init, at::kDouble, o);
-    OptRun reference = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
-    ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
-    for (const auto& g : gradients({6, 45}, 6, 22)) {
-      step(fused, g), step(reference, g);
-      EXPECT_LE(rel_error(fused.param, reference.param), 1e-13) << "level " << level;
+  for (const std::vector<int64_t> shape : {std::vector<int64_t>{6, 45}, std::vector<int64_t>{4, 2048}})
+    for (int64_t level : {1, 2, 3}) {
+      const auto o = base_options().level(level);
+      const at::Tensor init = at::randn(shape, at::kDouble);
+      OptRun fused = make_run(init, at::kDouble, o);
+      OptRun reference = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+      ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
+      for (const auto& g : gradients(shape, 6, 22)) {
+        step(fused, g), step(reference, g);
+        EXPECT_LE(rel_error(fused.param, reference.param), 1e-13) << "level " << level;
+      }
     }
-  }
 }
 
 TEST(Fused, NonContiguousGradient) {
