@@ -95,7 +95,7 @@ TEST(Fused, HaarMatchesReferenceInFloat32AcrossShapesAndLevels) {
 }
 
 TEST(Fused, HaarMatchesReferenceInFloat64) {
-  for (const std::vector<int64_t> shape : {std::vector<int64_t>{6, 45}, std::vector<int64_t>{4, 2048}})
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{6, 45}, {4, 2048}})
     for (int64_t level : {1, 2, 3}) {
       const auto o = base_options().level(level);
       const at::Tensor init = at::randn(shape, at::kDouble);
