@@ -222,3 +222,70 @@ TEST(Fused, NonFiniteGradientIsCaughtByTheNormPass) {
 }
 
 }  // namespace
+
+namespace {
+
+// The CUDA kernels against the CPU reference. They run only where a GPU is present; elsewhere the
+// CUDA sources are still compiled and linked (GWT_CUDA=AUTO), and these tests say why they skip.
+TEST(FusedCuda, MatchesTheCpuReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA kernels were only compiled";
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble})
+    for (int64_t level : {1, 2, 3})
+      for (const auto& shape : std::vector<std::vector<int64_t>>{{64, 512}, {7, 37}, {3, 5, 66}}) {
+        SCOPED_TRACE(c10::str(dtype, " level ", level, " shape ", at::IntArrayRef(shape)));
+        const auto o = base_options().level(level);
+        const at::Tensor init = at::randn(shape, at::kDouble);
+        at::Tensor gpu = init.to(dtype).cuda().requires_grad_(true);
+        WaveletAdam gpu_opt({gpu}, o);
+        ASSERT_TRUE(gpu_opt.is_fused_param(gpu));
+        OptRun reference = make_run(init, dtype, WaveletAdamOptions(o).fused(false));
+        OptRun exact = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+        for (const auto& g : gradients(shape, 5, 26)) {
+          const at::Tensor g_cast = g.to(dtype);
+          gpu.mutable_grad() = g_cast.cuda();
+          gpu_opt.step();
+          step(reference, g_cast.to(at::kDouble)), step(exact, g_cast.to(at::kDouble));
+          if (dtype == at::kFloat || dtype == at::kDouble) {
+            expect_close_to_reference(gpu.cpu(), reference.param, exact.param);
+          } else {
+            const double ulp = (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) *
+                               init.abs().max().item<double>();
+            EXPECT_LE(max_abs_diff(gpu.cpu(), exact.param),
+                      2 * max_abs_diff(reference.param, exact.param) + ulp);
+          }
+        }
+      }
+}
+
+TEST(FusedCuda, NonContiguousGradientAndSaveLoad) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA kernels were only compiled";
+  const at::Tensor init = at::randn({16, 96}, at::kDouble);
+  const auto grads = gradients({96, 16}, 6, 27);
+  auto run = [&](bool interrupt) {
+    at::Tensor p = init.to(at::kFloat).cuda().requires_grad_(true);
+    auto opt = std::make_unique<WaveletAdam>(std::vector<at::Tensor>{p}, base_options());
+    for (int t = 0; t < 6; ++t) {
+      if (interrupt && t == 3) {
+        const std::string path = ::testing::TempDir() + "gwt_cuda_" + std::to_string(::getpid()) + ".pt";
+        torch::save(*opt, path);
+        opt = std::make_unique<WaveletAdam>(std::vector<at::Tensor>{p}, WaveletAdamOptions(0.5));
+        torch::load(*opt, path);
+        std::remove(path.c_str());
+      }
+      p.mutable_grad() = grads[t].to(at::kFloat).cuda().t();  // non-contiguous
+      opt->step();
+    }
+    return p.detach().cpu();
+  };
+  OptRun reference = make_run(init, at::kFloat, base_options().fused(false));
+  OptRun exact = make_run(init, at::kDouble, base_options().fused(false));
+  for (const auto& g : grads) {
+    const at::Tensor g32 = g.t().contiguous().to(at::kFloat).to(at::kDouble);
+    step(reference, g32), step(exact, g32);
+  }
+  const at::Tensor straight = run(false);
+  EXPECT_TRUE(at::equal(straight, run(true)));
+  expect_close_to_reference(straight, reference.param, exact.param);
+}
+
+}  // namespace
