@@ -109,6 +109,45 @@ TEST(Fused, HaarMatchesReferenceInFloat64) {
     }
 }
 
+TEST(Fused, GeneralWaveletsMatchReferenceForEveryModeAndLevel) {
+  for (const std::string wavelet : {"db2", "sym3", "coif1", "db4"})
+    for (const std::string boundary : {"zero", "periodization", "symmetric"})
+      for (int64_t level : {1, 2, 3}) {
+        SCOPED_TRACE(wavelet + " " + boundary + " level " + std::to_string(level));
+        const auto o = base_options().wavelet(wavelet).boundary(boundary).level(level);
+        const std::vector<int64_t> shape = {3, 5, 41};
+        const at::Tensor init = at::randn(shape, at::kDouble);
+        OptRun fused64 = make_run(init, at::kDouble, o);
+        OptRun reference64 = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+        OptRun fused32 = make_run(init, at::kFloat, o);
+        OptRun reference32 = make_run(init, at::kFloat, WaveletAdamOptions(o).fused(false));
+        ASSERT_TRUE(fused64.opt->is_fused_param(fused64.param));
+        for (const auto& g : gradients(shape, 5, 28)) {
+          const at::Tensor g32 = g.to(at::kFloat).to(at::kDouble);
+          step(fused64, g32), step(reference64, g32), step(fused32, g32), step(reference32, g32);
+          EXPECT_LE(rel_error(fused64.param, reference64.param), 1e-11);
+          expect_close_to_reference(fused32.param, reference32.param, reference64.param);
+        }
+      }
+}
+
+TEST(Fused, GeneralWaveletsInHalfPrecision) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    const std::vector<int64_t> shape = {6, 77};
+    const auto o = base_options().wavelet("db2").level(2);
+    const at::Tensor init = at::randn(shape, at::kDouble).to(dtype).to(at::kDouble);
+    OptRun fused = make_run(init, dtype, o);
+    OptRun reference = make_run(init, dtype, WaveletAdamOptions(o).fused(false));
+    OptRun exact = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+    const double ulp = (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
+    for (const auto& g : gradients(shape, 5, 29)) {
+      const at::Tensor g_low = g.to(dtype).to(at::kDouble);
+      step(fused, g_low), step(reference, g_low), step(exact, g_low);
+      EXPECT_LE(max_abs_diff(fused.param, exact.param), 2 * max_abs_diff(reference.param, exact.param) + ulp);
+    }
+  }
+}
+
 TEST(Fused, NonContiguousGradient) {
   const at::Tensor init = at::randn({8, 40}, at::kDouble);
   OptRun fused = make_run(init, at::kFloat, base_options());
@@ -203,7 +242,8 @@ TEST(Fused, AppliesOnlyWhereItReproducesTheReference) {
   };
   EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().level(2)));                      // zero mode pads
   EXPECT_TRUE(fused_for({4, 32}, WaveletAdamOptions().boundary("periodization")));     // no padding
-  EXPECT_FALSE(fused_for({4, 30}, WaveletAdamOptions().boundary("periodization")));    // would pad
+  EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().boundary("periodization")));     // general kernel
+  EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().wavelet("db2")));                // general kernel
   EXPECT_FALSE(fused_for({32, 4}, WaveletAdamOptions().dim(0)));                       // not last
   EXPECT_FALSE(fused_for({4, 32}, WaveletAdamOptions().fused(false)));
   EXPECT_FALSE(fused_for({32}, WaveletAdamOptions()));                                 // dense

@@ -208,12 +208,17 @@ void check_state(const WaveletAdamParamState& state, const at::Tensor& param, co
               "gwt::WaveletAdam: the limiter norm in the state must be a single value");
 }
 
+// Which implementation computes a parameter's step.
+enum class Path { reference, haar, general };
+
 struct Work {
   at::Tensor param;
   const WaveletAdamOptions* options;
   Plan plan;
-  bool fused = false;                                  // the fused Haar kernel runs this step
+  Path path = Path::reference;
   at::Tensor grad;                                     // fused: contiguous, in the param's dtype
+  at::Tensor workspace;                                // general kernel: every level's coefficients
+  std::shared_ptr<const Wavelet> wavelet;              // general kernel: the filters
   WaveletAdamParamState* state = nullptr;              // existing state, or fresh_state
   std::unique_ptr<WaveletAdamParamState> fresh_state;  // committed only if the step is taken
   at::Tensor norm_sq;                                  // fused: result of the norm pass (0-dim)
@@ -320,17 +325,32 @@ kernels::ScalarKind kind_of(at::ScalarType t) {
   }
 }
 
-// Whether the fused Haar kernel computes this parameter's step (same result as the reference).
-bool fused_haar_applies(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& plan) {
-  if (!o.fused() || !plan.wavelet || plan.dim != param.dim() - 1) return false;
-  if (o.wavelet() != "haar" && o.wavelet() != "db1") return false;
-  // Zero mode pads odd lengths with zeros, which keeps blocks local; the other modes agree with
-  // it only when no padding is needed.
+// Which implementation computes this parameter's step: the fused kernels where they reproduce the
+// reference (transform along the last, contiguous dimension), the ATen reference elsewhere.
+Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& plan) {
+  if (!o.fused() || !plan.wavelet || plan.dim != param.dim() - 1 || !param.is_contiguous())
+    return Path::reference;
+  const bool haar = o.wavelet() == "haar" || o.wavelet() == "db1";
+  // Haar's zero mode pads odd lengths with zeros, which keeps blocks local; the other modes agree
+  // with it only when no padding is needed.
   const int64_t block = int64_t{1} << o.level();
-  if (o.boundary() != "zero" && param.size(plan.dim) % block != 0) return false;
-  if (!param.is_contiguous()) return false;
-  if (param.is_cuda()) return kernels::built_with_cuda();
-  return param.device().is_cpu();
+  const bool haar_local = haar && (o.boundary() == "zero" || param.size(plan.dim) % block == 0);
+  if (param.is_cuda())
+    return haar_local && o.level() <= 3 && kernels::built_with_cuda() ? Path::haar : Path::reference;
+  if (!param.device().is_cpu()) return Path::reference;
+  return haar_local ? Path::haar : Path::general;
+}
+
+kernels::Boundary boundary_kind(const std::string& name) {
+  switch (boundary_mode_from_string(name)) {
+    case BoundaryMode::zero:
+      return kernels::Boundary::zero;
+    case BoundaryMode::periodization:
+      return kernels::Boundary::periodization;
+    case BoundaryMode::symmetric:
+      return kernels::Boundary::symmetric;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled BoundaryMode");
 }
 
 kernels::HaarAdamArgs haar_args(const Work& work, double step_size) {
@@ -355,12 +375,34 @@ kernels::HaarAdamArgs haar_args(const Work& work, double step_size) {
   return args;
 }
 
-// Norm pass of the fused kernel: reads only, so a non-finite gradient (which makes the result NaN)
-// can still skip the step with nothing changed.
-void fused_haar_norm_pass(Work& work) {
+kernels::WaveletAdamArgs general_args(const Work& work, double step_size) {
+  kernels::WaveletAdamArgs args;
+  static_cast<kernels::HaarAdamArgs&>(args) = haar_args(work, step_size);
+  args.dec_lo = work.wavelet->dec_lo().data();
+  args.dec_hi = work.wavelet->dec_hi().data();
+  args.filter_length = work.wavelet->length();
+  args.boundary = boundary_kind(work.options->boundary());
+  args.workspace = work.workspace.data_ptr();
+  args.coeff_len = work.workspace.size(1);
+  return args;
+}
+
+// Norm pass of the fused kernels: writes no optimizer state, so a non-finite gradient (which makes
+// the result NaN) can still skip the step with nothing changed.
+void fused_norm_pass(Work& work) {
   work.grad = work.param.grad().to(work.param.scalar_type()).contiguous();
-  const kernels::HaarAdamArgs args = haar_args(work, 0.0);
   const auto acc = work.param.options().dtype(compute_dtype(work.param));
+  if (work.path == Path::general) {
+    work.wavelet = std::make_shared<const Wavelet>(work.options->wavelet());
+    const int64_t n = work.param.size(-1);
+    const int64_t len = kernels::wavelet_workspace_len(n, work.wavelet->length(), work.options->level(),
+                                                       boundary_kind(work.options->boundary()));
+    work.workspace = at::empty({work.param.numel() / n, len}, acc);
+    work.norm_sq = at::scalar_tensor(kernels::wavelet_adam_norm_sq_cpu(general_args(work, 0.0)),
+                                     acc.dtype(at::kDouble));
+    return;
+  }
+  const kernels::HaarAdamArgs args = haar_args(work, 0.0);
   if (work.param.is_cuda()) {
     work.norm_sq = at::zeros({}, acc);
     kernels::haar_adam_norm_sq_cuda(args, work.norm_sq.data_ptr());
@@ -370,9 +412,8 @@ void fused_haar_norm_pass(Work& work) {
 }
 
 // Update pass: the limiter of SPEC 1.1 from the norm pass's result, then the kernel.
-void fused_haar_update(const Work& work, WaveletAdamParamState& state, double step_size) {
+void fused_update(const Work& work, WaveletAdamParamState& state, double step_size) {
   const WaveletAdamOptions& o = *work.options;
-  const kernels::HaarAdamArgs args = haar_args(work, step_size);
   const double gamma = o.norm_growth_limit();
   if (!work.param.is_cuda()) {
     double lim = 1.0;
@@ -386,7 +427,10 @@ void fused_haar_update(const Work& work, WaveletAdamParamState& state, double st
         state.norm(at::scalar_tensor(norm / lim, acc));
       }
     }
-    kernels::haar_adam_update_cpu(args, lim);
+    if (work.path == Path::general)
+      kernels::wavelet_adam_update_cpu(general_args(work, step_size), lim);
+    else
+      kernels::haar_adam_update_cpu(haar_args(work, step_size), lim);
     return;
   }
   // On the device: 0-dim tensor arithmetic, no synchronisation with the host.
@@ -400,15 +444,15 @@ void fused_haar_update(const Work& work, WaveletAdamParamState& state, double st
       state.norm(norm / lim);
     }
   }
-  kernels::haar_adam_update_cuda(args, lim.data_ptr());
+  kernels::haar_adam_update_cuda(haar_args(work, step_size), lim.data_ptr());
 }
 
 void update_param(const Work& work) {
   WaveletAdamParamState& state = *work.state;
   state.step(state.step() + 1);
   const double step_size = step_size_of(*work.options, state.step());
-  if (work.fused)
-    fused_haar_update(work, state, step_size);
+  if (work.path != Path::reference)
+    fused_update(work, state, step_size);
   else
     reference_update(work, state, step_size);
 }
@@ -487,7 +531,7 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       Work w;
       w.param = param;
       w.options = &options;
-      w.fused = fused_haar_applies(param, options, plan);
+      w.path = path_for(param, options, plan);
       w.plan = std::move(plan);
       if (it != state_.end()) w.state = static_cast<WaveletAdamParamState*>(it->second.get());
       work.push_back(std::move(w));
@@ -511,8 +555,8 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
   bool finite = true;
   std::vector<at::Tensor> device_flags;
   for (auto& w : work) {
-    if (w.fused) {
-      fused_haar_norm_pass(w);
+    if (w.path != Path::reference) {
+      fused_norm_pass(w);
       if (w.norm_sq.is_cpu())
         finite = std::isfinite(w.norm_sq.item<double>());
       else
@@ -668,7 +712,7 @@ bool WaveletAdam::is_fused_param(const at::Tensor& param) const {
     for (const auto& p : group.params())
       if (p.is_same(param)) {
         const auto& options = options_of(group);
-        return fused_haar_applies(param, options, plan_for(param, options));
+        return path_for(param, options, plan_for(param, options)) != Path::reference;
       }
   TORCH_CHECK(false, "gwt::WaveletAdam::is_fused_param: the tensor is not a parameter of this optimizer");
 }

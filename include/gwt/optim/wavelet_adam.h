@@ -45,8 +45,9 @@ struct WaveletAdamOptions : public torch::optim::OptimizerCloneableOptions<Wavel
   TORCH_ARG(bool, correct_bias) = true;
   /// Dimension the 1-D transform runs along; the others are batch dimensions.
   TORCH_ARG(int64_t, dim) = -1;
-  /// Use the fused kernels where they apply (Haar along the last, contiguous dimension, on CPU and
-  /// on CUDA builds); false always runs the readable ATen reference.
+  /// Use the fused kernels where they apply (transform along the last dimension of a contiguous
+  /// parameter: every wavelet on the CPU, Haar levels 1 to 3 on CUDA builds); false always runs the
+  /// readable ATen reference.
   TORCH_ARG(bool, fused) = true;
   /// Moment dtype: "auto" (float64 for float64 parameters, float32 otherwise) or "bfloat16"
   /// (halves the state again; the math stays in float32).
