@@ -84,6 +84,29 @@ void BM_TorchAdam(benchmark::State& st) {
   });
 }
 
+// ATen's fused multi-tensor Adam (the kernel behind torch.optim.Adam(fused=True)).
+void BM_FusedAdam(benchmark::State& st) {
+  const int which = static_cast<int>(st.range(0));
+  auto params = make_workload(which);
+  std::vector<at::Tensor> p, g, m, v, steps;
+  for (const auto& x : params) {
+    p.push_back(x.detach()), g.push_back(x.grad());
+    m.push_back(at::zeros_like(x)), v.push_back(at::zeros_like(x));
+    steps.push_back(at::zeros({}, x.options()));
+  }
+  auto step = [&] {
+    for (auto& s : steps) s.add_(1);
+    at::_fused_adam_(p, g, m, v, {}, steps, 1e-3, 0.9, 0.999, 0.0, 1e-8, false, false);
+  };
+  step();
+  for (auto _ : st) step();
+  const auto n = static_cast<double>(numel(params));
+  st.SetBytesProcessed(static_cast<int64_t>(28 * n) * st.iterations());
+  st.counters["params"] = n;
+  st.counters["bytes/param"] = 28;
+  st.SetLabel(workload_name(which));
+}
+
 void BM_TorchAdamW(benchmark::State& st) {
   run_optimizer(st, static_cast<int>(st.range(0)), 28, [](std::vector<at::Tensor> p) {
     return std::make_unique<torch::optim::AdamW>(std::move(p), torch::optim::AdamWOptions(1e-3));
@@ -110,6 +133,7 @@ void BM_WaveletAdamFused_db2_L2(benchmark::State& st) { wavelet(st, "db2", 2, tr
 GWT_BENCH(BM_Copy);
 GWT_BENCH(BM_TorchAdam);
 GWT_BENCH(BM_TorchAdamW);
+GWT_BENCH(BM_FusedAdam);
 GWT_BENCH(BM_WaveletAdamReference_haar_L2);
 GWT_BENCH(BM_WaveletAdamFused_haar_L1);
 GWT_BENCH(BM_WaveletAdamFused_haar_L2);

@@ -87,57 +87,89 @@ class GeneralAdam {
   void update(Acc lim) const {
     at::parallel_for(0, a_.rows, 1, [&](int64_t r0, int64_t r1) {
       std::vector<Acc> x(scratch_len_), y(scratch_len_), den(static_cast<size_t>(a_.approx_len));
-      for (int64_t r = r0; r < r1; ++r) row_update(r, lim, x.data(), y.data(), den.data());
+      std::vector<Acc> even(scratch_len_), odd(scratch_len_);
+      for (int64_t r = r0; r < r1; ++r)
+        row_update(r, lim, x.data(), y.data(), den.data(), even.data(), odd.data());
     });
   }
 
  private:
   Acc* workspace_row(int64_t r) const { return static_cast<Acc*>(a_.workspace) + r * a_.coeff_len; }
 
-  // One analysis level: coeff[o] = sum_k ext[2o + k + offset] * rec[k].
+  // One analysis level: coeff[o] = sum_k ext[2o + k + offset] * rec[k]. The interior, where no
+  // tap leaves the row, runs tap by tap over all outputs (vectorisable); the edges use the mode.
   void dwt_level(const Acc* x, int64_t n, Acc* approx, Acc* detail) const {
     const int64_t len = coeff_len(n, taps_, a_.boundary);
     const int64_t offset = a_.boundary == Boundary::periodization ? 1 - taps_ / 2 : 2 - taps_;
-    for (int64_t o = 0; o < len; ++o) {
-      const int64_t base = 2 * o + offset;
+    // Interior outputs: 0 <= 2o + offset and 2o + offset + taps <= n.
+    const int64_t first = std::min(len, std::max<int64_t>(0, (1 - offset) / 2));
+    const int64_t last = std::max(first, std::min(len, (n - taps_ - offset) / 2 + 1));
+    auto edge = [&](int64_t o) {
       Acc lo = 0, hi = 0;
-      if (base >= 0 && base + taps_ <= n) {
-        for (int64_t k = 0; k < taps_; ++k) {
-          lo += x[base + k] * rec_lo_[k];
-          hi += x[base + k] * rec_hi_[k];
-        }
-      } else {
-        for (int64_t k = 0; k < taps_; ++k) {
-          const int64_t s = source_index(base + k, n, a_.boundary);
-          if (s < 0) continue;
-          lo += x[s] * rec_lo_[k];
-          hi += x[s] * rec_hi_[k];
-        }
+      for (int64_t k = 0; k < taps_; ++k) {
+        const int64_t s = source_index(2 * o + offset + k, n, a_.boundary);
+        if (s < 0) continue;
+        lo += x[s] * rec_lo_[k];
+        hi += x[s] * rec_hi_[k];
       }
       approx[o] = lo;
       detail[o] = hi;
+    };
+    for (int64_t o = 0; o < first; ++o) edge(o);
+    for (int64_t o = first; o < last; ++o) approx[o] = detail[o] = 0;
+    for (int64_t k = 0; k < taps_; ++k) {
+      const Acc lo = rec_lo_[k], hi = rec_hi_[k];
+      const Acc* src = x + offset + k;
+      for (int64_t o = first; o < last; ++o) {
+        approx[o] += lo * src[2 * o];
+        detail[o] += hi * src[2 * o];
+      }
     }
+    for (int64_t o = last; o < len; ++o) edge(o);
   }
 
   // One synthesis level from len coefficients each; returns the output length.
-  // out[2m + e] = sum_q dec_lo[j] a[m + q] + dec_hi[j] d[m + q],  j = phase + 2q - e in [0, F).
-  int64_t idwt_level(const Acc* approx, const Acc* detail, int64_t len, Acc* out) const {
+  // out[2m + e] = sum_q dec_lo[j] a[m + q] + dec_hi[j] d[m + q],  j = phase + 2q - e in [0, F);
+  // zero/symmetric: q in [0, F/2), m in [0, len - F/2]; periodization: indices mod len.
+  int64_t idwt_level(const Acc* approx, const Acc* detail, int64_t len, Acc* out, Acc* even,
+                     Acc* odd) const {
     const bool periodic = a_.boundary == Boundary::periodization;
     const int64_t phase = periodic ? taps_ / 2 : 1;
     const int64_t q_lo = periodic ? -((taps_ / 2 + 1) / 2) : 0;
     const int64_t q_hi = periodic ? (taps_ / 2 + 1) / 2 : taps_ / 2 - 1;
     const int64_t outputs = periodic ? len : len - taps_ / 2 + 1;
-    for (int64_t m = 0; m < outputs; ++m) {
-      Acc even = 0, odd = 0;
-      for (int64_t q = q_lo; q <= q_hi; ++q) {
-        int64_t i = m + q;
-        if (periodic) i = positive_mod(i, len);
-        const int64_t j_even = phase + 2 * q, j_odd = phase + 2 * q - 1;
-        if (j_even >= 0 && j_even < taps_) even += dec_lo_[j_even] * approx[i] + dec_hi_[j_even] * detail[i];
-        if (j_odd >= 0 && j_odd < taps_) odd += dec_lo_[j_odd] * approx[i] + dec_hi_[j_odd] * detail[i];
+    // Interior m: every index m + q inside [0, len) (always, outside periodization).
+    const int64_t first = periodic ? std::min(outputs, std::max<int64_t>(0, -q_lo)) : 0;
+    const int64_t last = periodic ? std::max(first, std::min(outputs, len - q_hi)) : outputs;
+    for (int64_t m = first; m < last; ++m) even[m] = odd[m] = 0;
+    for (int64_t q = q_lo; q <= q_hi; ++q) {
+      for (int64_t e = 0; e < 2; ++e) {
+        const int64_t j = phase + 2 * q - e;
+        if (j < 0 || j >= taps_) continue;
+        const Acc lo = dec_lo_[j], hi = dec_hi_[j];
+        Acc* dst = e == 0 ? even : odd;
+        const Acc* a = approx + q;
+        const Acc* d = detail + q;
+        for (int64_t m = first; m < last; ++m) dst[m] += lo * a[m] + hi * d[m];
       }
-      out[2 * m] = even;
-      out[2 * m + 1] = odd;
+    }
+    auto edge = [&](int64_t m) {
+      Acc sums[2] = {0, 0};
+      for (int64_t q = q_lo; q <= q_hi; ++q) {
+        const int64_t i = positive_mod(m + q, len);
+        for (int64_t e = 0; e < 2; ++e) {
+          const int64_t j = phase + 2 * q - e;
+          if (j >= 0 && j < taps_) sums[e] += dec_lo_[j] * approx[i] + dec_hi_[j] * detail[i];
+        }
+      }
+      even[m] = sums[0];
+      odd[m] = sums[1];
+    };
+    for (int64_t m = 0; m < first; ++m) edge(m);
+    for (int64_t m = last; m < outputs; ++m) edge(m);
+    for (int64_t m = 0; m < outputs; ++m) {
+      out[2 * m] = even[m];
+      out[2 * m + 1] = odd[m];
     }
     return 2 * outputs;
   }
@@ -175,7 +207,7 @@ class GeneralAdam {
   }
 
   // Update pass of a row: moments stored, coefficients normalised in place, IDWT, p updated.
-  void row_update(int64_t r, Acc lim, Acc* x, Acc* y, Acc* den) const {
+  void row_update(int64_t r, Acc lim, Acc* x, Acc* y, Acc* den, Acc* even, Acc* odd) const {
     Acc* w = workspace_row(r);
     S* m = static_cast<S*>(a_.exp_avg) + r * a_.approx_len;
     S* v = static_cast<S*>(a_.exp_avg_sq) + r * a_.approx_len;
@@ -200,7 +232,7 @@ class GeneralAdam {
       const int64_t detail_len = lengths_[l];
       if (len == detail_len + 1) len = detail_len;
       TORCH_INTERNAL_ASSERT(len == detail_len);
-      len = idwt_level(x, w + detail_offset_[l], len, y);
+      len = idwt_level(x, w + detail_offset_[l], len, y, even, odd);
       std::copy(y, y + len, x);
     }
     TORCH_INTERNAL_ASSERT(len >= a_.n);

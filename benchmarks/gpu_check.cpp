@@ -1,0 +1,224 @@
+// GPU check: correctness of the CUDA kernels against the CPU reference, then the step-time table
+// on the device, with torch::optim::Adam/AdamW, at::_fused_adam_ and a device-to-device copy
+// measured in the same run. Needs only LibTorch (no GoogleTest, no Google Benchmark), so it runs
+// on a machine with a GPU, nvcc and python3's torch but no network (benchmarks/gpu_check.sh).
+//
+//   gpu_check [--device cuda|cpu] [--json out.json] [--steps N]
+//
+// Exit status: 0 when every correctness check passed, 1 otherwise, 2 for bad arguments or no
+// device. Times go to the JSON in Google Benchmark's format for scripts/bench_table.py.
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gwt/gwt.h"
+#include "gwt/kernels.h"
+
+namespace {
+
+at::Device g_device = at::kCUDA;
+
+void sync() {
+  if (g_device.is_cuda()) torch::cuda::synchronize();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Correctness: the device's fused step against the CPU reference (same rule as tests/test_fused)
+// ---------------------------------------------------------------------------------------------
+
+bool check_case(at::ScalarType dtype, int64_t level, std::vector<int64_t> shape, bool transpose_grad) {
+  const auto options = gwt::WaveletAdamOptions(0.02).weight_decay(0.1).scale(0.5).level(level);
+  at::manual_seed(1);
+  const at::Tensor init = at::randn(shape, at::kDouble).to(dtype).to(at::kDouble);
+  at::Tensor dev = init.to(dtype).to(g_device).clone().requires_grad_(true);
+  at::Tensor ref = init.to(dtype).clone().requires_grad_(true);
+  at::Tensor exact = init.clone().requires_grad_(true);
+  gwt::WaveletAdam dev_opt({dev}, options);
+  gwt::WaveletAdam ref_opt({ref}, gwt::WaveletAdamOptions(options).fused(false));
+  gwt::WaveletAdam exact_opt({exact}, gwt::WaveletAdamOptions(options).fused(false));
+  const bool fused = dev_opt.is_fused_param(dev);
+  bool ok = fused;
+  double worst = 0;
+  for (int t = 0; t < 4; ++t) {
+    at::Tensor g = (at::randn(shape, at::kDouble) * (1 + 2 * t)).to(dtype);
+    at::Tensor g_dev = transpose_grad ? g.t().contiguous().to(g_device).t() : g.to(g_device);
+    dev.mutable_grad() = g_dev;
+    ref.mutable_grad() = g.clone();
+    exact.mutable_grad() = g.to(at::kDouble);
+    dev_opt.step(), ref_opt.step(), exact_opt.step();
+    const at::Tensor d = dev.detach().cpu().to(at::kDouble), r = ref.detach().to(at::kDouble);
+    const at::Tensor e = exact.detach();
+    if (dtype == at::kFloat || dtype == at::kDouble) {
+      // The rule of tests/test_fused.cpp: 1e-5 relative of the reference element by element, or,
+      // where float rounding of a cancelling block shows, at most twice the reference's error.
+      const bool elementwise = ((d - r).abs() <= 1e-5 * (r.abs() + r.abs().mean())).all().item<bool>();
+      const double err = (d - e).abs().max().item<double>(), ref_err = (r - e).abs().max().item<double>();
+      worst = std::max(worst, (d - r).abs().max().item<double>());
+      ok = ok && (elementwise || err <= 2 * ref_err + 1e-5 * r.abs().max().item<double>());
+    } else {
+      const double ulp = (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
+      const double err = (d - e).abs().max().item<double>(), ref_err = (r - e).abs().max().item<double>();
+      worst = std::max(worst, err);
+      ok = ok && err <= 2 * ref_err + ulp;
+    }
+  }
+  std::printf("%s check %-9s level %lld shape %-12s %s: max |device - reference| %.3g%s\n",
+              ok ? "PASS" : "FAIL", c10::toString(dtype), static_cast<long long>(level),
+              c10::str(at::IntArrayRef(shape)).c_str(), transpose_grad ? "(grad transposed)" : "",
+              worst, fused ? "" : " (not on the fused path!)");
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing
+// ---------------------------------------------------------------------------------------------
+
+struct Row {
+  std::string name, label;
+  double ms, bytes_per_param, params;
+};
+
+std::vector<at::Tensor> workload(int which) {
+  at::manual_seed(0);
+  std::vector<std::vector<int64_t>> shapes;
+  if (which == 0) {
+    for (int layer = 0; layer < 8; ++layer) {
+      for (int i = 0; i < 4; ++i) shapes.push_back({512, 512});
+      shapes.push_back({1376, 512});
+      shapes.push_back({1376, 512});
+      shapes.push_back({512, 1376});
+    }
+  } else {
+    shapes.push_back({4096, 4096});
+  }
+  std::vector<at::Tensor> params;
+  for (const auto& s : shapes) {
+    at::Tensor p = (at::randn(s) * 0.02).to(g_device).requires_grad_(true);
+    p.mutable_grad() = (at::randn(s) * 1e-3).to(g_device);
+    params.push_back(p);
+  }
+  return params;
+}
+
+double time_ms(const std::function<void()>& fn, int steps) {
+  for (int i = 0; i < 3; ++i) fn();
+  sync();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) fn();
+  sync();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
+}
+
+void bench(int which, int steps, std::vector<Row>& rows) {
+  const char* label = which == 0 ? "llama60m" : "4096x4096";
+  auto params = workload(which);
+  double n = 0;
+  for (const auto& p : params) n += static_cast<double>(p.numel());
+  auto add = [&](const std::string& name, double bytes, const std::function<void()>& fn) {
+    rows.push_back({"BM_" + name + "/" + std::to_string(which), label, time_ms(fn, steps), bytes, n});
+    std::printf("  %-34s %-10s %8.3f ms\n", name.c_str(), label, rows.back().ms);
+  };
+  {
+    at::Tensor src = at::randn({2 * static_cast<int64_t>(n)}, at::TensorOptions().device(g_device));
+    at::Tensor dst = at::empty_like(src);
+    add("Copy", 16, [&] { dst.copy_(src); });
+  }
+  {
+    torch::optim::Adam opt(params, torch::optim::AdamOptions(1e-3));
+    add("TorchAdam", 28, [&] { opt.step(); });
+  }
+  {
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-3));
+    add("TorchAdamW", 28, [&] { opt.step(); });
+  }
+  {
+    std::vector<at::Tensor> p, g, m, v, steps_t;
+    for (const auto& x : params) {
+      p.push_back(x.detach()), g.push_back(x.grad());
+      m.push_back(at::zeros_like(x)), v.push_back(at::zeros_like(x));
+      steps_t.push_back(at::zeros({}, x.options().dtype(at::kFloat)));
+    }
+    add("FusedAdam", 28, [&] {
+      for (auto& s : steps_t) s.add_(1);
+      at::_fused_adam_(p, g, m, v, {}, steps_t, 1e-3, 0.9, 0.999, 0.0, 1e-8, false, false);
+    });
+  }
+  auto wavelet = [&](const std::string& name, const std::string& w, int64_t level, bool fused) {
+    gwt::WaveletAdam opt(params, gwt::WaveletAdamOptions(1e-3).wavelet(w).level(level).fused(fused));
+    add(name, 12.0 + 16.0 / static_cast<double>(1 << level), [&] { opt.step(); });
+  };
+  wavelet("WaveletAdamReference_haar_L2", "haar", 2, false);
+  wavelet("WaveletAdamFused_haar_L1", "haar", 1, true);
+  wavelet("WaveletAdamFused_haar_L2", "haar", 2, true);
+  wavelet("WaveletAdamFused_haar_L3", "haar", 3, true);
+  wavelet("WaveletAdamFused_db2_L2", "db2", 2, true);
+}
+
+void write_json(const std::string& path, const std::vector<Row>& rows) {
+  std::ofstream out(path);
+  out << "{\n  \"context\": {\"date\": \"gpu_check\", \"num_cpus\": 0},\n  \"benchmarks\": [\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    out << "    {\"name\": \"" << r.name << "\", \"run_type\": \"iteration\", \"real_time\": " << r.ms
+        << ", \"time_unit\": \"ms\", \"bytes/param\": " << r.bytes_per_param << ", \"params\": " << r.params
+        << ", \"label\": \"" << r.label << "\"}" << (i + 1 < rows.size() ? "," : "") << "\n";
+  }
+  out << "  ]\n}\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json = "gpu_check.json";
+  int steps = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--device" && i + 1 < argc) {
+      const std::string d = argv[++i];
+      if (d != "cuda" && d != "cpu") {
+        std::fprintf(stderr, "gpu_check: --device must be cuda or cpu, got '%s'\n", d.c_str());
+        return 2;
+      }
+      g_device = d == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+    } else if (arg == "--json" && i + 1 < argc) {
+      json = argv[++i];
+    } else if (arg == "--steps" && i + 1 < argc) {
+      steps = std::atoi(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: gpu_check [--device cuda|cpu] [--json out.json] [--steps N]\n");
+      return 2;
+    }
+  }
+  if (g_device.is_cuda() && !torch::cuda::is_available()) {
+    std::fprintf(stderr, "gpu_check: no CUDA device visible\n");
+    return 2;
+  }
+  if (g_device.is_cuda() && !gwt::kernels::built_with_cuda()) {
+    std::fprintf(stderr, "gpu_check: gwt was built without its CUDA kernels (GWT_CUDA=ON)\n");
+    return 2;
+  }
+  bool ok = true;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble})
+    for (int64_t level : {1, 2, 3})
+      for (const auto& shape : std::vector<std::vector<int64_t>>{{64, 512}, {7, 37}, {3, 5, 66}})
+        ok = check_case(dtype, level, shape, false) && ok;
+  ok = check_case(at::kFloat, 2, {96, 48}, true) && ok;
+  std::printf("\ntiming (%d steps after 3 warm-up steps)\n", steps);
+  std::vector<Row> rows;
+  bench(0, steps, rows);
+  bench(1, steps, rows);
+  write_json(json, rows);
+  std::printf("\n%s; times written to %s\n", ok ? "all checks passed" : "SOME CHECKS FAILED", json.c_str());
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds the benchmarks and prints the optimizer-step table (CPU), writing results/bench_cpu.json.
+# Arguments go to the benchmark binary (e.g. --benchmark_filter=haar).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+gwt_setup
+mkdir -p "$GWT_ROOT/build" "$GWT_ROOT/results"
+gwt_build "$GWT_ROOT/build" -DGWT_BUILD_BENCHMARKS=ON >&2
+"$GWT_ROOT/build/benchmarks/gwt_bench_step" --benchmark_repetitions=3 \
+  --benchmark_report_aggregates_only=true --benchmark_out="$GWT_ROOT/results/bench_cpu.json" \
+  --benchmark_out_format=json "$@" >&2
+python3 "$GWT_ROOT/scripts/bench_table.py" "$GWT_ROOT/results/bench_cpu.json" \
+  --machine "$(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
