@@ -80,6 +80,7 @@ TEST(WaveletAdam, MatchesTheAuthorsOptimizerTrajectories) {
                              .wavelet("haar")
                              .boundary("zero"));
     ASSERT_TRUE(opt.is_wavelet_param(p));
+    ASSERT_TRUE(opt.is_fused_param(p));  // the default path: the fused Haar kernel
     for (int64_t t = 1; t <= steps; ++t) {
       set_grad(p, gwt_test::to_tensor(rec.rows.at(row_key("g", t))).view(shape));
       opt.step();
@@ -140,6 +141,20 @@ void spec_wavelet_step(at::Tensor& p, const at::Tensor& g, SpecState& s,
   const at::Tensor U = gwt::waverec(c, w, -1, mode).slice(-1, 0, n) * o.scale();
   p = p - step_size * U.movedim(-1, dim);
   p = p - o.lr() * o.weight_decay() * p;
+}
+
+TEST(WaveletAdam, MatchesTheAuthorsOptimizerThroughTheReferenceToo) {
+  const auto records = gwt_test::read_records("official_gwt_trajectories.txt", "config");
+  const auto& rec = records.at(0);
+  at::Tensor p = gwt_test::to_tensor(rec.rows.at("p0")).view({8, 16}).clone().requires_grad_(true);
+  WaveletAdam opt({p}, WaveletAdamOptions(0.01).level(2).scale(0.25).fused(false));
+  ASSERT_FALSE(opt.is_fused_param(p));
+  for (int64_t t = 1; t <= 12; ++t) {
+    set_grad(p, gwt_test::to_tensor(rec.rows.at(row_key("g", t))).view({8, 16}));
+    opt.step();
+    const at::Tensor expected = gwt_test::to_tensor(rec.rows.at(row_key("p", t))).view({8, 16});
+    EXPECT_LE(gwt_test::max_rel_diff(p.detach(), expected, 1e-3), 1e-10) << "step " << t;
+  }
 }
 
 TEST(WaveletAdam, FollowsTheSpecRuleForOtherWaveletsModesAndDims) {
