@@ -47,11 +47,14 @@ int64_t numel(const std::vector<at::Tensor>& params) {
   return n;
 }
 
-const char* workload_name(int which) { return which == 0 ? "llama60m" : "4096x4096"; }
+const char* workload_name(int which) {
+  return which == 0 ? "llama60m" : "4096x4096";
+}
 
 // Times optimizer steps; bytes_per_param is what the step must move (reads + writes).
-void run_optimizer(benchmark::State& st, int which, double bytes_per_param,
-                   const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>& make) {
+void run_optimizer(
+    benchmark::State& st, int which, double bytes_per_param,
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>& make) {
   auto params = make_workload(which);
   auto opt = make(params);
   opt->step();  // creates the state outside the timed loop
@@ -64,7 +67,9 @@ void run_optimizer(benchmark::State& st, int which, double bytes_per_param,
 }
 
 // WaveletAdam with Haar at level L moves p, g, p' (12 B) and m, v read+written at 1/2^L (16/2^L B).
-double wavelet_bytes(int level) { return 12.0 + 16.0 / static_cast<double>(1 << level); }
+double wavelet_bytes(int level) {
+  return 12.0 + 16.0 / static_cast<double>(1 << level);
+}
 
 void BM_Copy(benchmark::State& st) {
   const int which = static_cast<int>(st.range(0));
@@ -114,21 +119,34 @@ void BM_TorchAdamW(benchmark::State& st) {
 }
 
 void wavelet(benchmark::State& st, const std::string& wavelet_name, int level, bool fused) {
-  run_optimizer(st, static_cast<int>(st.range(0)), wavelet_bytes(level), [&](std::vector<at::Tensor> p) {
-    return std::make_unique<gwt::WaveletAdam>(
-        std::move(p), gwt::WaveletAdamOptions(1e-3).wavelet(wavelet_name).level(level).fused(fused));
-  });
+  run_optimizer(
+      st, static_cast<int>(st.range(0)), wavelet_bytes(level), [&](std::vector<at::Tensor> p) {
+        return std::make_unique<gwt::WaveletAdam>(
+            std::move(p),
+            gwt::WaveletAdamOptions(1e-3).wavelet(wavelet_name).level(level).fused(fused));
+      });
 }
 
-void BM_WaveletAdamReference_haar_L2(benchmark::State& st) { wavelet(st, "haar", 2, false); }
-void BM_WaveletAdamFused_haar_L1(benchmark::State& st) { wavelet(st, "haar", 1, true); }
-void BM_WaveletAdamFused_haar_L2(benchmark::State& st) { wavelet(st, "haar", 2, true); }
-void BM_WaveletAdamFused_haar_L3(benchmark::State& st) { wavelet(st, "haar", 3, true); }
-void BM_WaveletAdamFused_db2_L2(benchmark::State& st) { wavelet(st, "db2", 2, true); }
+void BM_WaveletAdamReference_haar_L2(benchmark::State& st) {
+  wavelet(st, "haar", 2, false);
+}
+void BM_WaveletAdamFused_haar_L1(benchmark::State& st) {
+  wavelet(st, "haar", 1, true);
+}
+void BM_WaveletAdamFused_haar_L2(benchmark::State& st) {
+  wavelet(st, "haar", 2, true);
+}
+void BM_WaveletAdamFused_haar_L3(benchmark::State& st) {
+  wavelet(st, "haar", 3, true);
+}
+void BM_WaveletAdamFused_db2_L2(benchmark::State& st) {
+  wavelet(st, "db2", 2, true);
+}
 
 }  // namespace
 
-#define GWT_BENCH(fn) BENCHMARK(fn)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0)
+#define GWT_BENCH(fn) \
+  BENCHMARK(fn)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0)
 
 GWT_BENCH(BM_Copy);
 GWT_BENCH(BM_TorchAdam);

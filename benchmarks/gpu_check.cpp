@@ -37,7 +37,8 @@ void sync() {
 // Correctness: the device's fused step against the CPU reference (same rule as tests/test_fused)
 // ---------------------------------------------------------------------------------------------
 
-bool check_case(at::ScalarType dtype, int64_t level, std::vector<int64_t> shape, bool transpose_grad) {
+bool check_case(at::ScalarType dtype, int64_t level, std::vector<int64_t> shape,
+                bool transpose_grad) {
   const auto options = gwt::WaveletAdamOptions(0.02).weight_decay(0.1).scale(0.5).level(level);
   at::manual_seed(1);
   const at::Tensor init = at::randn(shape, at::kDouble).to(dtype).to(at::kDouble);
@@ -62,13 +63,17 @@ bool check_case(at::ScalarType dtype, int64_t level, std::vector<int64_t> shape,
     if (dtype == at::kFloat || dtype == at::kDouble) {
       // The rule of tests/test_fused.cpp: 1e-5 relative of the reference element by element, or,
       // where float rounding of a cancelling block shows, at most twice the reference's error.
-      const bool elementwise = ((d - r).abs() <= 1e-5 * (r.abs() + r.abs().mean())).all().item<bool>();
-      const double err = (d - e).abs().max().item<double>(), ref_err = (r - e).abs().max().item<double>();
+      const bool elementwise =
+          ((d - r).abs() <= 1e-5 * (r.abs() + r.abs().mean())).all().item<bool>();
+      const double err = (d - e).abs().max().item<double>(),
+                   ref_err = (r - e).abs().max().item<double>();
       worst = std::max(worst, (d - r).abs().max().item<double>());
       ok = ok && (elementwise || err <= 2 * ref_err + 1e-5 * r.abs().max().item<double>());
     } else {
-      const double ulp = (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
-      const double err = (d - e).abs().max().item<double>(), ref_err = (r - e).abs().max().item<double>();
+      const double ulp =
+          (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
+      const double err = (d - e).abs().max().item<double>(),
+                   ref_err = (r - e).abs().max().item<double>();
       worst = std::max(worst, err);
       ok = ok && err <= 2 * ref_err + ulp;
     }
@@ -117,7 +122,9 @@ double time_ms(const std::function<void()>& fn, int steps) {
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) fn();
   sync();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+             .count() /
+         steps;
 }
 
 void bench(int which, int steps, std::vector<Row>& rows) {
@@ -126,7 +133,8 @@ void bench(int which, int steps, std::vector<Row>& rows) {
   double n = 0;
   for (const auto& p : params) n += static_cast<double>(p.numel());
   auto add = [&](const std::string& name, double bytes, const std::function<void()>& fn) {
-    rows.push_back({"BM_" + name + "/" + std::to_string(which), label, time_ms(fn, steps), bytes, n});
+    rows.push_back(
+        {"BM_" + name + "/" + std::to_string(which), label, time_ms(fn, steps), bytes, n});
     std::printf("  %-34s %-10s %8.3f ms\n", name.c_str(), label, rows.back().ms);
   };
   {
@@ -155,7 +163,8 @@ void bench(int which, int steps, std::vector<Row>& rows) {
     });
   }
   auto wavelet = [&](const std::string& name, const std::string& w, int64_t level, bool fused) {
-    gwt::WaveletAdam opt(params, gwt::WaveletAdamOptions(1e-3).wavelet(w).level(level).fused(fused));
+    gwt::WaveletAdam opt(params,
+                         gwt::WaveletAdamOptions(1e-3).wavelet(w).level(level).fused(fused));
     add(name, 12.0 + 16.0 / static_cast<double>(1 << level), [&] { opt.step(); });
   };
   wavelet("WaveletAdamReference_haar_L2", "haar", 2, false);
@@ -170,9 +179,11 @@ void write_json(const std::string& path, const std::vector<Row>& rows) {
   out << "{\n  \"context\": {\"date\": \"gpu_check\", \"num_cpus\": 0},\n  \"benchmarks\": [\n";
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
-    out << "    {\"name\": \"" << r.name << "\", \"run_type\": \"iteration\", \"real_time\": " << r.ms
-        << ", \"time_unit\": \"ms\", \"bytes/param\": " << r.bytes_per_param << ", \"params\": " << r.params
-        << ", \"label\": \"" << r.label << "\"}" << (i + 1 < rows.size() ? "," : "") << "\n";
+    out << "    {\"name\": \"" << r.name
+        << "\", \"run_type\": \"iteration\", \"real_time\": " << r.ms
+        << ", \"time_unit\": \"ms\", \"bytes/param\": " << r.bytes_per_param
+        << ", \"params\": " << r.params << ", \"label\": \"" << r.label << "\"}"
+        << (i + 1 < rows.size() ? "," : "") << "\n";
   }
   out << "  ]\n}\n";
 }
@@ -219,6 +230,7 @@ int main(int argc, char** argv) {
   bench(0, steps, rows);
   bench(1, steps, rows);
   write_json(json, rows);
-  std::printf("\n%s; times written to %s\n", ok ? "all checks passed" : "SOME CHECKS FAILED", json.c_str());
+  std::printf("\n%s; times written to %s\n", ok ? "all checks passed" : "SOME CHECKS FAILED",
+              json.c_str());
   return ok ? 0 : 1;
 }

@@ -70,22 +70,24 @@ template <typename S, typename Acc>
 __device__ __forceinline__ void new_moments(const S* m, const S* v, int64_t k, Acc x,
                                             const Scalars& s, Acc& m_new, Acc& v_new) {
   const Acc b1 = static_cast<Acc>(s.beta1), b2 = static_cast<Acc>(s.beta2);
-  m_new = static_cast<Acc>(static_cast<float>(static_cast<S>(
-      b1 * static_cast<Acc>(static_cast<float>(m[k])) + (Acc(1) - b1) * x)));
-  v_new = static_cast<Acc>(static_cast<float>(static_cast<S>(
-      b2 * static_cast<Acc>(static_cast<float>(v[k])) + (Acc(1) - b2) * x * x)));
+  m_new = static_cast<Acc>(static_cast<float>(
+      static_cast<S>(b1 * static_cast<Acc>(static_cast<float>(m[k])) + (Acc(1) - b1) * x)));
+  v_new = static_cast<Acc>(static_cast<float>(
+      static_cast<S>(b2 * static_cast<Acc>(static_cast<float>(v[k])) + (Acc(1) - b2) * x * x)));
 }
 
 template <typename Acc>
 __device__ __forceinline__ Acc block_reduce(Acc value) {
   __shared__ Acc warp_sums[k_threads / 32];
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_down_sync(0xffffffffu, value, offset);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) warp_sums[warp] = value;
   __syncthreads();
   value = threadIdx.x < k_threads / 32 ? warp_sums[threadIdx.x] : Acc(0);
   if (warp == 0)
-    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+    for (int offset = 16; offset > 0; offset /= 2)
+      value += __shfl_down_sync(0xffffffffu, value, offset);
   return value;
 }
 
@@ -131,7 +133,8 @@ __global__ void update_pass(P* __restrict__ param, const P* __restrict__ grad, S
     new_moments(m, v, k, a, s, m_new, v_new);
     m[k] = static_cast<S>(m_new);
     v[k] = static_cast<S>(v_new);
-    const Acc factor = static_cast<Acc>(s.step_size) / ((sqrt(v_new) + static_cast<Acc>(s.eps)) * lim);
+    const Acc factor =
+        static_cast<Acc>(s.step_size) / ((sqrt(v_new) + static_cast<Acc>(s.eps)) * lim);
     const Acc shift = (m_new - a) * static_cast<Acc>(s.approx_scale);
     const Acc keep = static_cast<Acc>(-s.decay);
 #pragma unroll
@@ -220,7 +223,9 @@ void dispatch(const HaarAdamArgs& a, void* out, const void* lim) {
 
 }  // namespace
 
-bool built_with_cuda() { return true; }
+bool built_with_cuda() {
+  return true;
+}
 
 void haar_adam_norm_sq_cuda(const HaarAdamArgs& args, void* norm_sq_out) {
   TORCH_INTERNAL_ASSERT(norm_sq_out != nullptr);

@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # The README's first command, gwt's main job: installs what is missing, builds, and runs the
-# quickstart comparison (torch::optim::AdamW against gwt::WaveletAdam). Arguments go to it.
+# language-model comparison (examples/train_lm: a byte-level LLaMA-style decoder on the English
+# text of Debian's fortunes package, AdamW against WaveletAdam at several settings). Prints the
+# results table and writes results/lm/: one CSV per run, results.md and val_loss.png.
+# Arguments go to train_lm (e.g. --preset llama-20m --device cuda, --corpus my.txt, --quiet).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 gwt_setup
 mkdir -p "$GWT_ROOT/build"
 gwt_build "$GWT_ROOT/build" -DGWT_BUILD_EXAMPLES=ON >&2
-"$GWT_ROOT/build/examples/quickstart" "$@"
+out="$GWT_ROOT/results/lm"
+args=("$@")
+for ((i = 0; i < ${#args[@]}; ++i)); do
+  [[ "${args[i]}" == "--out" && $((i + 1)) -lt ${#args[@]} ]] && out="${args[i + 1]}"
+done
+"$GWT_ROOT/build/examples/train_lm" --out "$out" "$@"
+"$GWT_PYTHON" "$GWT_ROOT/scripts/plot_lm.py" "$out" >&2

@@ -20,7 +20,7 @@ GWT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 gwt_log() { printf '[gwt setup] %s\n' "$*" >&2; }
 
 gwt_install_debian_packages() {
-  local wanted=(cmake ninja-build g++ ccache libgtest-dev googletest libbenchmark-dev python3 python3-venv "$@")
+  local wanted=(cmake ninja-build g++ ccache libgtest-dev googletest libbenchmark-dev fortunes python3 python3-venv "$@")
   local missing=()
   for pkg in "${wanted[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -66,9 +66,27 @@ gwt_install_torch_wheel() {
     rm -rf "$venv"
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --no-cache-dir --upgrade pip
-    "$venv/bin/pip" install --quiet --no-cache-dir "torch==$GWT_TORCH_VERSION" numpy
+    "$venv/bin/pip" install --quiet --no-cache-dir "torch==$GWT_TORCH_VERSION" numpy matplotlib
   fi
   GWT_TORCH_DIR="$("$venv/bin/python" -c 'import os, torch; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))')"
+  GWT_PYTHON="$venv/bin/python"
+}
+
+# A python3 with matplotlib for the plots: the torch virtual environment when we made one, else a
+# small one of its own (${GWT_CACHE}/tools, about 60 MB).
+gwt_install_plot_python() {
+  if [[ -n "${GWT_PYTHON:-}" ]] && "$GWT_PYTHON" -c "import matplotlib" 2>/dev/null; then return 0; fi
+  if [[ -n "${GWT_PYTHON:-}" ]]; then
+    gwt_log "installing matplotlib into $(dirname "$(dirname "$GWT_PYTHON")")"
+    "$GWT_PYTHON" -m pip install --quiet --no-cache-dir matplotlib && return 0
+  fi
+  local venv="$GWT_CACHE/tools"
+  if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
+    gwt_log "installing matplotlib from PyPI into $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --no-cache-dir matplotlib
+  fi
   GWT_PYTHON="$venv/bin/python"
 }
 
@@ -76,6 +94,7 @@ gwt_setup() {
   gwt_install_debian_packages "$@"
   GWT_PYTHON="${GWT_PYTHON:-}"
   if ! gwt_find_torch_dir; then gwt_install_torch_wheel; fi
+  gwt_install_plot_python
   export GWT_TORCH_DIR GWT_PYTHON
   # A CUDA-enabled LibTorch wants a CUDA toolkit at configure time; its major version must match.
   if [[ -x /usr/local/cuda/bin/nvcc ]]; then export PATH="/usr/local/cuda/bin:$PATH"; fi

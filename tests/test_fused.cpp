@@ -59,23 +59,27 @@ double rel_error(const at::Tensor& a, const at::Tensor& b) {
 // that sum shows in the update of either implementation, by chance more in one or the other; there
 // the rule is the one for bf16: the fused result is at most twice as far from float64 as the
 // reference is (worst element against worst element, plus the same 1e-5 relative slack).
-void expect_close_to_reference(const at::Tensor& fused, const at::Tensor& reference, const at::Tensor& exact) {
-  const at::Tensor f = fused.to(at::kDouble), r = reference.to(at::kDouble), e = exact.to(at::kDouble);
+void expect_close_to_reference(const at::Tensor& fused, const at::Tensor& reference,
+                               const at::Tensor& exact) {
+  const at::Tensor f = fused.to(at::kDouble), r = reference.to(at::kDouble),
+                   e = exact.to(at::kDouble);
   const bool elementwise = ((f - r).abs() <= 1e-5 * (r.abs() + r.abs().mean())).all().item<bool>();
   const double fused_error = (f - e).abs().max().item<double>();
   const double reference_error = (r - e).abs().max().item<double>();
-  EXPECT_TRUE(elementwise || fused_error <= 2 * reference_error + 1e-5 * r.abs().max().item<double>())
+  EXPECT_TRUE(elementwise ||
+              fused_error <= 2 * reference_error + 1e-5 * r.abs().max().item<double>())
       << "worst |fused - reference| " << (f - r).abs().max().item<double>() << ", fused error "
       << fused_error << " against reference error " << reference_error;
 }
 
 TEST(Fused, HaarMatchesReferenceInFloat32AcrossShapesAndLevels) {
-  const std::vector<std::vector<int64_t>> shapes = {{8, 64}, {5, 37}, {3, 4, 33}, {2, 1031}, {16, 8}};
+  const std::vector<std::vector<int64_t>> shapes = {
+      {8, 64}, {5, 37}, {3, 4, 33}, {2, 1031}, {16, 8}};
   for (const auto& shape : shapes)
     for (int64_t level : {1, 2, 3})
       for (double gamma : {1.01, 0.0}) {
-        SCOPED_TRACE("shape " + c10::str(at::IntArrayRef(shape)) + " level " + std::to_string(level) +
-                     " gamma " + std::to_string(gamma));
+        SCOPED_TRACE("shape " + c10::str(at::IntArrayRef(shape)) + " level " +
+                     std::to_string(level) + " gamma " + std::to_string(gamma));
         const auto o = base_options().level(level).norm_growth_limit(gamma);
         const at::Tensor init = at::randn(shape, at::kDouble);
         OptRun fused = make_run(init, at::kFloat, WaveletAdamOptions(o).fused(true));
@@ -142,11 +146,13 @@ TEST(Fused, GeneralWaveletsInHalfPrecision) {
     OptRun fused = make_run(init, dtype, o);
     OptRun reference = make_run(init, dtype, WaveletAdamOptions(o).fused(false));
     OptRun exact = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
-    const double ulp = (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
+    const double ulp =
+        (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
     for (const auto& g : gradients(shape, 5, 29)) {
       const at::Tensor g_low = g.to(dtype).to(at::kDouble);
       step(fused, g_low), step(reference, g_low), step(exact, g_low);
-      EXPECT_LE(max_abs_diff(fused.param, exact.param), 2 * max_abs_diff(reference.param, exact.param) + ulp);
+      EXPECT_LE(max_abs_diff(fused.param, exact.param),
+                2 * max_abs_diff(reference.param, exact.param) + ulp);
     }
   }
 }
@@ -175,9 +181,11 @@ void check_low_precision(at::ScalarType dtype, const std::string& state_dtype) {
   const at::Tensor init = at::randn(shape, at::kDouble).to(dtype).to(at::kDouble);
   OptRun fused = make_run(init, dtype, o);
   OptRun reference = make_run(init, dtype, WaveletAdamOptions(o).fused(false));
-  OptRun exact = make_run(init, at::kDouble, WaveletAdamOptions(o).state_dtype("auto").fused(false));
+  OptRun exact =
+      make_run(init, at::kDouble, WaveletAdamOptions(o).state_dtype("auto").fused(false));
   ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
-  const double ulp = (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
+  const double ulp =
+      (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
   for (const auto& g : gradients(shape, 5, 23)) {
     const at::Tensor g_low = g.to(dtype).to(at::kDouble);  // what the low-precision runs see
     step(fused, g_low), step(reference, g_low), step(exact, g_low);
@@ -185,8 +193,7 @@ void check_low_precision(at::ScalarType dtype, const std::string& state_dtype) {
     const double err_fused = max_abs_diff(fused.param, exact.param);
     EXPECT_LE(err_fused, 2 * err_reference + ulp) << dtype << " state " << state_dtype;
   }
-  EXPECT_EQ(fused.opt->state_bytes(fused.param),
-            reference.opt->state_bytes(reference.param));
+  EXPECT_EQ(fused.opt->state_bytes(fused.param), reference.opt->state_bytes(reference.param));
 }
 
 TEST(Fused, BFloat16AndHalfParametersStayWithinTwiceTheReferenceError) {
@@ -228,7 +235,8 @@ TEST(Fused, SaveLoadMidRunContinuesBitIdentically) {
 
     OptRun first = make_run(init, dtype, base_options().level(3).wavelet(wavelet));
     for (int t = 0; t < 4; ++t) step(first, grads[t]);
-    const std::string path = ::testing::TempDir() + "gwt_fused_" + std::to_string(::getpid()) + ".pt";
+    const std::string path =
+        ::testing::TempDir() + "gwt_fused_" + std::to_string(::getpid()) + ".pt";
     torch::save(*first.opt, path);
     OptRun second = make_run(first.param.detach(), dtype, WaveletAdamOptions(0.5));
     torch::load(*second.opt, path);
@@ -244,13 +252,14 @@ TEST(Fused, AppliesOnlyWhereItReproducesTheReference) {
     at::Tensor p = at::randn(shape).requires_grad_(true);
     return WaveletAdam({p}, o).is_fused_param(p);
   };
-  EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().level(2)));                      // zero mode pads
-  EXPECT_TRUE(fused_for({4, 32}, WaveletAdamOptions().boundary("periodization")));     // no padding
-  EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().boundary("periodization")));     // general kernel
-  EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().wavelet("db2")));                // general kernel
-  EXPECT_FALSE(fused_for({32, 4}, WaveletAdamOptions().dim(0)));                       // not last
+  EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().level(2)));  // zero mode pads
+  EXPECT_TRUE(fused_for({4, 32}, WaveletAdamOptions().boundary("periodization")));  // no padding
+  EXPECT_TRUE(
+      fused_for({4, 30}, WaveletAdamOptions().boundary("periodization")));  // general kernel
+  EXPECT_TRUE(fused_for({4, 30}, WaveletAdamOptions().wavelet("db2")));     // general kernel
+  EXPECT_FALSE(fused_for({32, 4}, WaveletAdamOptions().dim(0)));            // not last
   EXPECT_FALSE(fused_for({4, 32}, WaveletAdamOptions().fused(false)));
-  EXPECT_FALSE(fused_for({32}, WaveletAdamOptions()));                                 // dense
+  EXPECT_FALSE(fused_for({32}, WaveletAdamOptions()));  // dense
 }
 
 TEST(Fused, NonFiniteGradientIsCaughtByTheNormPass) {
@@ -272,7 +281,8 @@ namespace {
 // The CUDA kernels against the CPU reference. They run only where a GPU is present; elsewhere the
 // CUDA sources are still compiled and linked (GWT_CUDA=AUTO), and these tests say why they skip.
 TEST(FusedCuda, MatchesTheCpuReference) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA kernels were only compiled";
+  if (!at::hasCUDA())
+    GTEST_SKIP() << "no CUDA device on this machine: the CUDA kernels were only compiled";
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble})
     for (int64_t level : {1, 2, 3})
       for (const auto& shape : std::vector<std::vector<int64_t>>{{64, 512}, {7, 37}, {3, 5, 66}}) {
@@ -292,8 +302,8 @@ TEST(FusedCuda, MatchesTheCpuReference) {
           if (dtype == at::kFloat || dtype == at::kDouble) {
             expect_close_to_reference(gpu.cpu(), reference.param, exact.param);
           } else {
-            const double ulp = (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) *
-                               init.abs().max().item<double>();
+            const double ulp =
+                (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * init.abs().max().item<double>();
             EXPECT_LE(max_abs_diff(gpu.cpu(), exact.param),
                       2 * max_abs_diff(reference.param, exact.param) + ulp);
           }
@@ -302,7 +312,8 @@ TEST(FusedCuda, MatchesTheCpuReference) {
 }
 
 TEST(FusedCuda, NonContiguousGradientAndSaveLoad) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA kernels were only compiled";
+  if (!at::hasCUDA())
+    GTEST_SKIP() << "no CUDA device on this machine: the CUDA kernels were only compiled";
   const at::Tensor init = at::randn({16, 96}, at::kDouble);
   const auto grads = gradients({96, 16}, 6, 27);
   auto run = [&](bool interrupt) {
@@ -310,7 +321,8 @@ TEST(FusedCuda, NonContiguousGradientAndSaveLoad) {
     auto opt = std::make_unique<WaveletAdam>(std::vector<at::Tensor>{p}, base_options());
     for (int t = 0; t < 6; ++t) {
       if (interrupt && t == 3) {
-        const std::string path = ::testing::TempDir() + "gwt_cuda_" + std::to_string(::getpid()) + ".pt";
+        const std::string path =
+            ::testing::TempDir() + "gwt_cuda_" + std::to_string(::getpid()) + ".pt";
         torch::save(*opt, path);
         opt = std::make_unique<WaveletAdam>(std::vector<at::Tensor>{p}, WaveletAdamOptions(0.5));
         torch::load(*opt, path);

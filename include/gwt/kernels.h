@@ -27,20 +27,20 @@ enum class ScalarKind : int8_t { f32, f64, f16, bf16 };
 /// - update pass (reads g, m, v, p; writes m', v', p): with the limiter's lim from the caller.
 /// 22 bytes per fp32 parameter at level 2 (4 + 2 + 4 + 4 + 8), against Adam's 28.
 struct HaarAdamArgs {
-  void* param = nullptr;           ///< [rows, n], param_kind
-  const void* grad = nullptr;      ///< [rows, n], param_kind
-  void* exp_avg = nullptr;         ///< [rows, approx_len], state_kind
-  void* exp_avg_sq = nullptr;      ///< [rows, approx_len], state_kind
+  void* param = nullptr;       ///< [rows, n], param_kind
+  const void* grad = nullptr;  ///< [rows, n], param_kind
+  void* exp_avg = nullptr;     ///< [rows, approx_len], state_kind
+  void* exp_avg_sq = nullptr;  ///< [rows, approx_len], state_kind
   ScalarKind param_kind = ScalarKind::f32;
   ScalarKind state_kind = ScalarKind::f32;
-  bool math_f64 = false;           ///< compute in double (float64 parameters)
+  bool math_f64 = false;  ///< compute in double (float64 parameters)
   int64_t rows = 0;
   int64_t n = 0;
-  int64_t approx_len = 0;          ///< ceil(n / 2^level)
+  int64_t approx_len = 0;  ///< ceil(n / 2^level)
   int64_t level = 1;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-6;
-  double step_size = 0;            ///< lr * bias correction * scale
-  double decay = 0;                ///< lr * weight_decay (applied after the update)
+  double step_size = 0;  ///< lr * bias correction * scale
+  double decay = 0;      ///< lr * weight_decay (applied after the update)
 };
 
 /// CPU norm pass; at::parallel_for over fixed tiles, so the sum does not depend on the number of
@@ -62,8 +62,8 @@ struct WaveletAdamArgs : HaarAdamArgs {
   const double* dec_hi = nullptr;
   int64_t filter_length = 2;
   Boundary boundary = Boundary::zero;
-  void* workspace = nullptr;       ///< [rows, coeff_len] of the math type (double if math_f64)
-  int64_t coeff_len = 0;           ///< per row: len(A_L) + len(D_L) + ... + len(D_1)
+  void* workspace = nullptr;  ///< [rows, coeff_len] of the math type (double if math_f64)
+  int64_t coeff_len = 0;      ///< per row: len(A_L) + len(D_L) + ... + len(D_1)
 };
 
 /// Per-row coefficient count of WaveletAdamArgs::workspace for a row of length n.

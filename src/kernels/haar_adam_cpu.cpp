@@ -47,7 +47,9 @@ void haar_adam_update_cpu(const HaarAdamArgs& args, double lim) {
 #undef GWT_DISPATCH
 
 #ifndef GWT_WITH_CUDA
-bool built_with_cuda() { return false; }
+bool built_with_cuda() {
+  return false;
+}
 void haar_adam_norm_sq_cuda(const HaarAdamArgs&, void*) {
   TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
 }

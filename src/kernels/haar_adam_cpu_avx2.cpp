@@ -7,8 +7,12 @@
 namespace gwt {
 namespace kernels {
 namespace avx2 {
-double haar_adam_norm_sq_entry(const HaarAdamArgs& args) { return haar_adam_norm_sq(args); }
-void haar_adam_update_entry(const HaarAdamArgs& args, double lim) { haar_adam_update(args, lim); }
+double haar_adam_norm_sq_entry(const HaarAdamArgs& args) {
+  return haar_adam_norm_sq(args);
+}
+void haar_adam_update_entry(const HaarAdamArgs& args, double lim) {
+  haar_adam_update(args, lim);
+}
 bool all_finite_entry(const void* data, int64_t n, ScalarKind kind) {
   return all_finite(data, n, kind);
 }

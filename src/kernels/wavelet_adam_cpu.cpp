@@ -25,7 +25,9 @@ int64_t coeff_len(int64_t n, int64_t taps, Boundary b) {
   return b == Boundary::periodization ? (n + 1) / 2 : (n + taps - 1) / 2;
 }
 
-int64_t positive_mod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
+int64_t positive_mod(int64_t a, int64_t m) {
+  return ((a % m) + m) % m;
+}
 
 // Extended-signal sample t of a length-n row (PyWavelets' modes); -1 means zero.
 int64_t source_index(int64_t t, int64_t n, Boundary b) {
@@ -60,7 +62,8 @@ class GeneralAdam {
       rec_hi_.insert(rec_hi_.begin(), static_cast<Acc>(args.dec_hi[k]));
     }
     lengths_.push_back(args.n);
-    for (int64_t l = 0; l < args.level; ++l) lengths_.push_back(coeff_len(lengths_.back(), taps_, args.boundary));
+    for (int64_t l = 0; l < args.level; ++l)
+      lengths_.push_back(coeff_len(lengths_.back(), taps_, args.boundary));
     TORCH_INTERNAL_ASSERT(lengths_.back() == args.approx_len);
     // Workspace layout per row: [A_L | D_L | D_{L-1} | ... | D_1].
     int64_t offset = args.approx_len;

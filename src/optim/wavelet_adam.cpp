@@ -336,7 +336,8 @@ Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& 
   const int64_t block = int64_t{1} << o.level();
   const bool haar_local = haar && (o.boundary() == "zero" || param.size(plan.dim) % block == 0);
   if (param.is_cuda())
-    return haar_local && o.level() <= 3 && kernels::built_with_cuda() ? Path::haar : Path::reference;
+    return haar_local && o.level() <= 3 && kernels::built_with_cuda() ? Path::haar
+                                                                      : Path::reference;
   if (!param.device().is_cpu()) return Path::reference;
   return haar_local ? Path::haar : Path::general;
 }
@@ -395,8 +396,8 @@ void fused_norm_pass(Work& work) {
   if (work.path == Path::general) {
     work.wavelet = std::make_shared<const Wavelet>(work.options->wavelet());
     const int64_t n = work.param.size(-1);
-    const int64_t len = kernels::wavelet_workspace_len(n, work.wavelet->length(), work.options->level(),
-                                                       boundary_kind(work.options->boundary()));
+    const int64_t len = kernels::wavelet_workspace_len(
+        n, work.wavelet->length(), work.options->level(), boundary_kind(work.options->boundary()));
     work.workspace = at::empty({work.param.numel() / n, len}, acc);
     work.norm_sq = at::scalar_tensor(kernels::wavelet_adam_norm_sq_cpu(general_args(work, 0.0)),
                                      acc.dtype(at::kDouble));
@@ -564,7 +565,8 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
     } else {
       const at::Tensor& grad = w.param.grad();
       const auto t = grad.scalar_type();
-      const bool kernel_dtype = t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+      const bool kernel_dtype =
+          t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
       if (grad.device().is_cpu() && grad.is_contiguous() && kernel_dtype)
         finite = kernels::all_finite_cpu(grad.data_ptr(), grad.numel(), kind_of(t));
       else
@@ -714,7 +716,8 @@ bool WaveletAdam::is_fused_param(const at::Tensor& param) const {
         const auto& options = options_of(group);
         return path_for(param, options, plan_for(param, options)) != Path::reference;
       }
-  TORCH_CHECK(false, "gwt::WaveletAdam::is_fused_param: the tensor is not a parameter of this optimizer");
+  TORCH_CHECK(false,
+              "gwt::WaveletAdam::is_fused_param: the tensor is not a parameter of this optimizer");
 }
 
 bool WaveletAdam::is_wavelet_param(const at::Tensor& param) const {

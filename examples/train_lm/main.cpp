@@ -1,0 +1,203 @@
+// Language-model pre-training comparison: the same LLaMA-style decoder trained on real text with
+// AdamW and with gwt::WaveletAdam at several settings. Each run is a child process (so its peak
+// resident memory is its own) writing <out>/<run>.csv and <run>.summary; the parent prints the
+// Markdown table and writes <out>/results.md. scripts/plot_lm.py draws the PNG.
+//
+//   train_lm [--preset tiny|llama-20m|llama-60m] [--optimizers a,b,...] [--corpus PATH]
+//            [--out DIR] [--steps N] [--device cpu|cuda] [--lr-adamw X] [--lr-wavelet X]
+//            [--scale X] [--quiet]
+
+#include <ATen/ATen.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <torch/cuda.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "lm.h"
+
+namespace {
+
+struct Args {
+  std::string preset = "tiny", corpus, out = "results/lm", device = "cpu";
+  std::vector<std::string> optimizers = lm::optimizer_names();
+  int64_t steps = -1;
+  double lr_adamw = 3e-3, lr_wavelet = 3e-3, scale = 1.0;
+  bool quiet = false;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+double parse_double(const std::string& flag, const std::string& value) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(value, &used);
+    if (used == value.size() && std::isfinite(v) && v > 0) return v;
+  } catch (const std::exception&) {
+  }
+  throw lm::InputError(flag + " needs a positive number, got '" + value + "'");
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw lm::InputError(flag + " needs a value");
+      return argv[++i];
+    };
+    if (flag == "--preset") a.preset = value();
+    else if (flag == "--optimizers") a.optimizers = split(value());
+    else if (flag == "--corpus") a.corpus = value();
+    else if (flag == "--out") a.out = value();
+    else if (flag == "--steps") a.steps = static_cast<int64_t>(parse_double(flag, value()));
+    else if (flag == "--device") a.device = value();
+    else if (flag == "--lr-adamw") a.lr_adamw = parse_double(flag, value());
+    else if (flag == "--lr-wavelet") a.lr_wavelet = parse_double(flag, value());
+    else if (flag == "--scale") a.scale = parse_double(flag, value());
+    else if (flag == "--quiet") a.quiet = true;
+    else throw lm::InputError("unknown argument '" + flag + "' (see the comment at the top of main.cpp)");
+  }
+  if (a.device != "cpu" && a.device != "cuda") throw lm::InputError("--device must be cpu or cuda, got '" + a.device + "'");
+  if (a.optimizers.empty()) throw lm::InputError("--optimizers needs at least one name");
+  return a;
+}
+
+void progress(const std::string& label, int64_t step, int64_t total, double loss, double elapsed) {
+  const int width = 30;
+  const int filled = static_cast<int>(width * (step + 1) / total);
+  const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
+  std::fprintf(stderr, "\r%-22s [%s%s] %5lld/%lld loss %.3f ETA %4.0fs ", label.c_str(),
+               std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
+               static_cast<long long>(step + 1), static_cast<long long>(total), loss, eta);
+  if (step + 1 == total) std::fprintf(stderr, "\n");
+}
+
+// One run, in the child process.
+lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpus& corpus, lm::OptimizerSpec spec) {
+  const at::Device device = args.device == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  at::manual_seed(1234);  // the same initial model for every optimizer
+  lm::Decoder model(preset.model);
+  model->to(device);
+  auto opt = lm::make_optimizer(spec, model);
+  lm::Batches batches(corpus.train, preset.batch, preset.model.seq_len, 42);
+  const at::Tensor val = lm::validation_windows(corpus.val, preset.model.seq_len, preset.eval_windows).to(device);
+  const std::string csv = args.out + "/" + spec.name + ".csv";
+
+  std::vector<lm::EvalPoint> points;
+  double train_seconds = 0, recent_loss = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t step = 0; step < preset.steps; ++step) {
+    const double lr = lm::cosine_lr(spec.lr, step, preset.warmup, preset.steps);
+    for (auto& group : opt->param_groups()) group.options().set_lr(lr);
+    const auto t0 = std::chrono::steady_clock::now();
+    const at::Tensor batch = batches.next().to(device);
+    opt->zero_grad();
+    const at::Tensor logits = model->forward(batch.narrow(1, 0, preset.model.seq_len));
+    const at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
+                                                   batch.narrow(1, 1, preset.model.seq_len).reshape({-1}));
+    loss.backward();
+    opt->step();
+    const double loss_value = loss.item<double>();
+    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    recent_loss = step == 0 ? loss_value : 0.9 * recent_loss + 0.1 * loss_value;
+    if ((step + 1) % preset.eval_every == 0 || step + 1 == preset.steps) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      points.push_back({step + 1, lr, recent_loss, lm::evaluate(model, val, preset.batch), seconds});
+      lm::write_csv(csv, points);
+    }
+    if (!args.quiet)
+      progress(spec.label, step, preset.steps, recent_loss,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  lm::RunSummary s;
+  s.name = spec.name, s.label = spec.label, s.lr = spec.lr, s.scale = spec.scale;
+  s.val_loss = points.back().val_loss, s.val_ppl = std::exp(s.val_loss);
+  std::tie(s.state_bytes, s.wavelet_state_bytes) = lm::state_bytes(*opt);
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  s.peak_rss_bytes = static_cast<int64_t>(usage.ru_maxrss) * 1024;
+  s.ms_per_step = 1000.0 * train_seconds / static_cast<double>(preset.steps);
+  s.steps = preset.steps;
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  lm::Preset preset;
+  lm::Corpus corpus;
+  std::vector<lm::OptimizerSpec> specs;
+  try {
+    args = parse(argc, argv);
+    preset = lm::preset(args.preset);
+    if (args.steps > 0) {
+      preset.steps = args.steps;
+      preset.warmup = std::max<int64_t>(1, std::min(preset.warmup, args.steps / 10));
+      preset.eval_every = std::max<int64_t>(1, std::min(preset.eval_every, args.steps / 4));
+    }
+    for (const auto& name : args.optimizers) {
+      lm::OptimizerSpec spec = lm::optimizer_spec(name);
+      spec.lr = spec.wavelet.empty() ? args.lr_adamw : args.lr_wavelet;
+      if (!spec.wavelet.empty()) spec.scale = args.scale;
+      specs.push_back(spec);
+    }
+    lm::ensure_writable_dir(args.out);
+    corpus = lm::load_corpus(args.corpus, preset.model.seq_len);
+    if (args.device == "cuda" && !torch::cuda::is_available()) throw lm::InputError("--device cuda: no CUDA device visible");
+  } catch (const lm::InputError& e) {
+    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
+    return 2;
+  }
+  std::fprintf(stderr, "train_lm: preset %s, corpus %s (%lld documents, %zu train / %zu validation bytes), %lld steps\n",
+               preset.name.c_str(), corpus.source.c_str(), static_cast<long long>(corpus.documents),
+               corpus.train.size(), corpus.val.size(), static_cast<long long>(preset.steps));
+
+  std::vector<lm::RunSummary> runs;
+  for (const auto& spec : specs) {
+    const std::string summary = args.out + "/" + spec.name + ".summary";
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      try {
+        lm::write_summary(summary, train(args, preset, corpus, spec));
+        std::fflush(nullptr);
+        _exit(0);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "\ntrain_lm: run %s failed: %s\n", spec.name.c_str(), e.what());
+        std::fflush(nullptr);
+        _exit(1);
+      }
+    }
+    int status = 0;
+    if (pid < 0 || waitpid(pid, &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::fprintf(stderr, "train_lm: error: run %s did not finish\n", spec.name.c_str());
+      return 1;
+    }
+    runs.push_back(lm::read_summary(summary));
+  }
+  std::ostringstream report;
+  report << "Preset `" << preset.name << "`, " << preset.steps << " steps of " << preset.batch << " x "
+         << preset.model.seq_len << " bytes, corpus " << corpus.source << "; validation loss in nats per byte.\n\n"
+         << lm::results_table(runs);
+  std::cout << report.str();
+  std::ofstream(args.out + "/results.md") << report.str();
+  return 0;
+}

@@ -1,0 +1,170 @@
+// The pieces of examples/train_lm that can be tested quickly: the model, the data split, the
+// schedule, the report writers and the user errors.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "gwt/gwt.h"
+#include "lm.h"
+
+namespace {
+
+lm::ModelConfig small_config() { return {256, 32, 2, 2, 64, 16}; }
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "gwt_lm_" + std::to_string(::getpid()) + "_" + name;
+}
+
+template <typename Fn>
+void expect_input_error(Fn&& fn, const std::string& words) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning '" << words << "'";
+  } catch (const lm::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "not one line: " << e.what();
+  }
+}
+
+TEST(LanguageModel, ForwardShapes) {
+  at::manual_seed(0);
+  lm::Decoder model(small_config());
+  const at::Tensor tokens = at::randint(0, 256, {3, 16}, at::kLong);
+  EXPECT_EQ(model->forward(tokens).sizes(), (std::vector<int64_t>{3, 16, 256}));
+  EXPECT_EQ(model->forward(tokens.narrow(1, 0, 5)).sizes(), (std::vector<int64_t>{3, 5, 256}));
+}
+
+TEST(LanguageModel, CausalMaskingHidesTheFuture) {
+  at::manual_seed(1);
+  lm::Decoder model(small_config());
+  at::NoGradGuard no_grad;
+  at::Tensor tokens = at::randint(0, 256, {2, 16}, at::kLong);
+  const at::Tensor before = model->forward(tokens);
+  tokens[0][10] = (tokens[0][10].item<int64_t>() + 1) % 256;
+  const at::Tensor after = model->forward(tokens);
+  EXPECT_TRUE(at::equal(before[0].narrow(0, 0, 10), after[0].narrow(0, 0, 10)));
+  EXPECT_FALSE(at::allclose(before[0].narrow(0, 10, 6), after[0].narrow(0, 10, 6)));
+  EXPECT_TRUE(at::equal(before[1], after[1]));
+}
+
+TEST(LanguageModel, PaperGroupingKeepsEmbeddingHeadAndNormsDense) {
+  lm::Decoder model(small_config());
+  for (const auto& a : gwt::assign_param_groups(*model)) {
+    const bool projection = a.name.find("_proj.weight") != std::string::npos;
+    EXPECT_EQ(a.wavelet, projection) << a.name;
+  }
+}
+
+TEST(LanguageModel, WaveletStateIsAtMost35PercentOfAdamW) {
+  const lm::Preset tiny = lm::preset("tiny");
+  at::manual_seed(2);
+  lm::Decoder a(tiny.model), b(tiny.model);
+  auto adamw = lm::make_optimizer(lm::optimizer_spec("adamw"), a);
+  auto wavelet = lm::make_optimizer(lm::optimizer_spec("wavelet-haar-l2"), b);
+  for (auto* m : {&a, &b}) {
+    const at::Tensor tokens = at::randint(0, 256, {2, 9}, at::kLong);
+    (*m)->forward(tokens.narrow(1, 0, 8)).sum().backward();
+  }
+  adamw->step(), wavelet->step();
+  const auto [adamw_bytes, adamw_wavelet] = lm::state_bytes(*adamw);
+  const auto [wavelet_bytes, wavelet_part] = lm::state_bytes(*wavelet);
+  EXPECT_EQ(adamw_wavelet, 0);
+  EXPECT_GT(wavelet_part, 0);
+  EXPECT_LE(static_cast<double>(wavelet_bytes), 0.35 * static_cast<double>(adamw_bytes));
+}
+
+TEST(LanguageModelData, SplitIsDeterministicDisjointAndComplete) {
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += "fortune number " + std::to_string(i) + "\nsecond line\n%\n";
+  const lm::Corpus a = lm::split_corpus(text), b = lm::split_corpus(text);
+  EXPECT_EQ(a.documents, 100);
+  EXPECT_EQ(a.train, b.train);
+  EXPECT_EQ(a.val, b.val);
+  // Every 20th document validates: 0, 20, 40, 60, 80.
+  for (int i = 0; i < 100; ++i) {
+    const std::string doc = "fortune number " + std::to_string(i) + "\n";
+    const bool in_val = a.val.find(doc) != std::string::npos, in_train = a.train.find(doc) != std::string::npos;
+    EXPECT_NE(in_val, in_train) << i;
+    EXPECT_EQ(in_val, i % 20 == 0) << i;
+  }
+  EXPECT_EQ(a.train.size() + a.val.size(), text.size() - 100 * 2);  // the "%\n" separators
+}
+
+TEST(LanguageModelData, BatchesAndValidationWindowsRepeat) {
+  std::string text(5000, 'a');
+  for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<char>('a' + i % 26);
+  lm::Batches x(text, 4, 32, 7), y(text, 4, 32, 7);
+  const at::Tensor bx = x.next(), by = y.next();
+  EXPECT_EQ(bx.sizes(), (std::vector<int64_t>{4, 33}));
+  EXPECT_TRUE(at::equal(bx, by));
+  EXPECT_FALSE(at::equal(x.next(), bx));
+  EXPECT_TRUE(at::equal(lm::validation_windows(text, 32, 8), lm::validation_windows(text, 32, 8)));
+}
+
+TEST(LanguageModelData, CorpusErrorsAreOneLine) {
+  expect_input_error([] { lm::load_corpus("/nonexistent/corpus.txt", 16); }, "does not exist");
+  const std::string empty = temp_path("empty.txt");
+  std::ofstream(empty) << "\n\n";
+  expect_input_error([&] { lm::load_corpus(empty, 16); }, "is empty");
+  const std::string small = temp_path("small.txt");
+  std::ofstream(small) << "just a few words";
+  expect_input_error([&] { lm::load_corpus(small, 16); }, "too small");
+  std::remove(empty.c_str()), std::remove(small.c_str());
+}
+
+TEST(LanguageModelData, DefaultCorpusIsTheFortunesText) {
+  if (!std::filesystem::exists(lm::default_corpus_dir()))
+    GTEST_SKIP() << "Debian's fortunes package is not installed (scripts/setup.sh installs it)";
+  const lm::Corpus c = lm::load_corpus("", 128);
+  EXPECT_GT(c.documents, 1000);
+  EXPECT_GT(c.train.size(), 19 * c.val.size() / 2);
+}
+
+TEST(LanguageModelRun, UnknownPresetOptimizerAndUnwritableDirectory) {
+  expect_input_error([] { lm::preset("huge"); }, "unknown preset 'huge'; valid presets are tiny");
+  expect_input_error([] { lm::optimizer_spec("sgd"); }, "unknown optimizer 'sgd'; valid optimizers are adamw");
+  expect_input_error([] { lm::ensure_writable_dir("/proc/gwt-results"); }, "not writable");
+}
+
+TEST(LanguageModelRun, CosineScheduleWarmsUpAndFloorsAtATenth) {
+  EXPECT_DOUBLE_EQ(lm::cosine_lr(1.0, 0, 10, 100), 0.1);
+  EXPECT_DOUBLE_EQ(lm::cosine_lr(1.0, 9, 10, 100), 1.0);
+  EXPECT_DOUBLE_EQ(lm::cosine_lr(1.0, 10, 10, 100), 1.0);
+  EXPECT_NEAR(lm::cosine_lr(1.0, 55, 10, 100), 0.55, 1e-12);
+  EXPECT_NEAR(lm::cosine_lr(1.0, 100, 10, 100), 0.1, 1e-12);
+}
+
+TEST(LanguageModelReport, CsvRoundTripAndTable) {
+  const std::string csv = temp_path("run.csv"), summary = temp_path("run.summary");
+  const std::vector<lm::EvalPoint> points = {{50, 0.003, 2.5, 2.4, 10.0}, {100, 0.001, 2.1, 2.0, 20.5}};
+  lm::write_csv(csv, points);
+  const auto back = lm::read_csv(csv);
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(back[1].step, 100);
+  EXPECT_DOUBLE_EQ(back[1].val_loss, 2.0);
+  std::ifstream in(csv);
+  std::string header;
+  std::getline(in, header);
+  EXPECT_EQ(header, "step,lr,train_loss,val_loss,val_ppl,seconds");
+
+  lm::RunSummary adamw{"adamw", "AdamW", 0.003, 1, 2.0, std::exp(2.0), 8000, 0, 100 << 20, 50.0, 100};
+  lm::RunSummary wavelet{"wavelet-haar-l2", "WaveletAdam haar L=2", 0.003, 1, 2.02, std::exp(2.02), 2400, 1600, 90 << 20, 40.0, 100};
+  lm::write_summary(summary, wavelet);
+  const lm::RunSummary read = lm::read_summary(summary);
+  EXPECT_EQ(read.label, wavelet.label);
+  EXPECT_EQ(read.state_bytes, 2400);
+  const std::string table = lm::results_table({adamw, read});
+  EXPECT_NE(table.find("| AdamW | 0.003 | 1 | 2.0000 |"), std::string::npos) << table;
+  EXPECT_NE(table.find("+1.00%"), std::string::npos) << table;
+  EXPECT_NE(table.find("30.0%"), std::string::npos) << table;
+  std::remove(csv.c_str()), std::remove(summary.c_str());
+}
+
+}  // namespace
