@@ -234,7 +234,7 @@ Preset preset(const std::string& name) {
   p.name = name;
   if (name == "tiny") {
     p.model = {256, 128, 4, 4, 344, 128};
-    p.batch = 16, p.steps = 300, p.warmup = 30, p.eval_every = 50, p.eval_windows = 32;
+    p.batch = 16, p.steps = 500, p.warmup = 50, p.eval_every = 50, p.eval_windows = 64;
   } else if (name == "llama-20m") {  // GaLore's 20M shape (byte vocabulary)
     p.model = {256, 256, 4, 4, 688, 256};
     p.batch = 64, p.steps = 5000, p.warmup = 500, p.eval_every = 250, p.eval_windows = 256;
