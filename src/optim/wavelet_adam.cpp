@@ -10,6 +10,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "common.h"
 #include "gwt/kernels.h"
 #include "gwt/transform.h"
 #include "gwt/wavelet.h"
@@ -39,15 +40,9 @@ bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs) {
 }
 
 namespace {
-
-c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key,
-                       const char* what) {
-  c10::IValue value;
-  TORCH_CHECK(archive.try_read(key, value), "gwt: ", what, " has no '", key,
-              "' entry; it was not written by gwt::WaveletAdam::save");
-  return value;
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key, const char* what) {
+  return optim_detail::read_value(archive, key, what, "gwt::WaveletAdam");
 }
-
 }  // namespace
 
 void WaveletAdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -118,18 +113,7 @@ bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& r
 
 void validate_options(const WaveletAdamOptions& o) {
   auto finite = [](double x) { return std::isfinite(x); };
-  TORCH_CHECK(finite(o.lr()) && o.lr() >= 0, "gwt::WaveletAdam: invalid learning rate ", o.lr(),
-              "; it must be finite and >= 0");
-  const auto [beta1, beta2] = o.betas();
-  TORCH_CHECK(finite(beta1) && beta1 >= 0 && beta1 < 1, "gwt::WaveletAdam: invalid beta1 ", beta1,
-              "; it must be in [0, 1)");
-  TORCH_CHECK(finite(beta2) && beta2 >= 0 && beta2 < 1, "gwt::WaveletAdam: invalid beta2 ", beta2,
-              "; it must be in [0, 1)");
-  TORCH_CHECK(finite(o.eps()) && o.eps() >= 0, "gwt::WaveletAdam: invalid eps ", o.eps(),
-              "; it must be finite and >= 0");
-  TORCH_CHECK(finite(o.weight_decay()) && o.weight_decay() >= 0,
-              "gwt::WaveletAdam: invalid weight_decay ", o.weight_decay(),
-              "; it must be finite and >= 0");
+  optim_detail::check_adam_options("gwt::WaveletAdam", o.lr(), o.betas(), o.eps(), o.weight_decay());
   TORCH_CHECK(o.level() >= 0 && o.level() <= 30, "gwt::WaveletAdam: invalid level ", o.level(),
               "; it must be in [0, 30] (0 = dense Adam)");
   TORCH_CHECK(finite(o.scale()), "gwt::WaveletAdam: invalid scale ", o.scale(),
@@ -151,26 +135,15 @@ const WaveletAdamOptions& options_of(const torch::optim::OptimizerParamGroup& gr
   return static_cast<const WaveletAdamOptions&>(group.options());
 }
 
-// The dtype the update is computed in (and the limiter norm kept in).
-at::ScalarType compute_dtype(const at::Tensor& param) {
-  return param.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
+using optim_detail::compute_dtype;
+using optim_detail::kind_of;
 
 // The dtype the moments are kept in.
 at::ScalarType state_dtype(const at::Tensor& param, const WaveletAdamOptions& o) {
   return o.state_dtype() == "bfloat16" ? at::kBFloat16 : compute_dtype(param);
 }
 
-void check_param(const at::Tensor& param) {
-  TORCH_CHECK(param.defined(), "gwt::WaveletAdam: got an undefined parameter tensor");
-  TORCH_CHECK(param.is_floating_point(),
-              "gwt::WaveletAdam: parameters must be float64, float32, float16 or bfloat16, got a ",
-              param.scalar_type(), " parameter of shape ", param.sizes(),
-              " (integer, bool and complex parameters are not supported)");
-  TORCH_CHECK(param.layout() == at::kStrided,
-              "gwt::WaveletAdam: parameters must be dense (strided) tensors, got layout ",
-              param.layout());
-}
+void check_param(const at::Tensor& param) { optim_detail::check_param("gwt::WaveletAdam", param); }
 
 struct Plan {
   bool wavelet = false;
@@ -230,11 +203,7 @@ void apply_weight_decay(at::Tensor& param, const WaveletAdamOptions& o) {
 }
 
 double step_size_of(const WaveletAdamOptions& o, int64_t step) {
-  const auto [beta1, beta2] = o.betas();
-  const auto t = static_cast<double>(step);
-  double step_size = o.lr();
-  if (o.correct_bias()) step_size *= std::sqrt(1 - std::pow(beta2, t)) / (1 - std::pow(beta1, t));
-  return step_size;
+  return optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), step);
 }
 
 // The reference update for one parameter, in readable ATen ops (SPEC 1.1 / 1.2). The fused kernels
@@ -308,21 +277,6 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
   }
   apply_weight_decay(param, o);
   if (!param.is_same(work.param)) work.param.copy_(param);
-}
-
-kernels::ScalarKind kind_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return kernels::ScalarKind::f32;
-    case at::kDouble:
-      return kernels::ScalarKind::f64;
-    case at::kHalf:
-      return kernels::ScalarKind::f16;
-    case at::kBFloat16:
-      return kernels::ScalarKind::bf16;
-    default:
-      TORCH_INTERNAL_ASSERT(false, "no kernel dtype for ", t);
-  }
 }
 
 // Which implementation computes this parameter's step: the fused kernels where they reproduce the
@@ -516,15 +470,7 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       check_param(param);
       const at::Tensor& grad = param.grad();
       if (!grad.defined()) continue;
-      TORCH_CHECK(!grad.is_sparse() && grad.layout() == at::kStrided,
-                  "gwt::WaveletAdam does not support sparse gradients (parameter of shape ",
-                  param.sizes(), "); use a dense gradient, e.g. nn::Embedding without sparse=true");
-      TORCH_CHECK(grad.sizes() == param.sizes(), "gwt::WaveletAdam: gradient shape ", grad.sizes(),
-                  " does not match its parameter's shape ", param.sizes());
-      TORCH_CHECK(grad.is_floating_point(), "gwt::WaveletAdam: gradient dtype ", grad.scalar_type(),
-                  " is not floating point");
-      TORCH_CHECK(grad.device() == param.device(), "gwt::WaveletAdam: gradient on ", grad.device(),
-                  " but its parameter is on ", param.device());
+      optim_detail::check_grad("gwt::WaveletAdam", param, grad);
       Plan plan = plan_for(param, options);
       auto it = state_.find(param.unsafeGetTensorImpl());
       if (it != state_.end())
@@ -554,27 +500,16 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
   // turns NaN on such a gradient, so it is the check for its parameters; other CPU gradients take
   // one read each, gradients on other devices one synchronisation for all of them.
   bool finite = true;
-  std::vector<at::Tensor> device_flags;
+  std::vector<at::Tensor> to_check;
   for (auto& w : work) {
     if (w.path != Path::reference) {
       fused_norm_pass(w);
-      if (w.norm_sq.is_cpu())
-        finite = std::isfinite(w.norm_sq.item<double>());
-      else
-        device_flags.push_back(at::isfinite(w.norm_sq).to(work.front().param.device()));
+      to_check.push_back(w.norm_sq);
     } else {
-      const at::Tensor& grad = w.param.grad();
-      const auto t = grad.scalar_type();
-      const bool kernel_dtype =
-          t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-      if (grad.device().is_cpu() && grad.is_contiguous() && kernel_dtype)
-        finite = kernels::all_finite_cpu(grad.data_ptr(), grad.numel(), kind_of(t));
-      else
-        device_flags.push_back(at::isfinite(grad).all().to(work.front().param.device()));
+      to_check.push_back(w.param.grad());
     }
-    if (!finite) break;
   }
-  if (finite && !device_flags.empty()) finite = at::stack(device_flags).all().item<bool>();
+  finite = optim_detail::all_finite(to_check);
   if (!finite) {
     ++skipped_steps_;
     return loss;
