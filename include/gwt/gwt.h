@@ -3,6 +3,8 @@
 /// \file
 /// Umbrella header of gwt: wavelet-compressed Adam for LibTorch.
 
+#include "gwt/nn/low_rank_linear.h"
+#include "gwt/optim/galore_adam.h"
 #include "gwt/optim/param_groups.h"
 #include "gwt/optim/wavelet_adam.h"
 #include "gwt/transform.h"

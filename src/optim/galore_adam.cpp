@@ -1,0 +1,425 @@
+#include "gwt/optim/galore_adam.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/irange.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cmath>
+#include <memory>
+#include <unordered_set>
+
+#include "common.h"
+
+namespace gwt {
+
+namespace {
+constexpr const char* k_who = "gwt::GaLoreAdam";
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key, const char* what) {
+  return optim_detail::read_value(archive, key, what, k_who);
+}
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// Options and state
+// ----------------------------------------------------------------------------------------------
+
+GaLoreAdamOptions::GaLoreAdamOptions(double lr) : lr_(lr) {}
+double GaLoreAdamOptions::get_lr() const { return lr(); }
+void GaLoreAdamOptions::set_lr(const double lr) { this->lr(lr); }
+
+bool operator==(const GaLoreAdamOptions& a, const GaLoreAdamOptions& b) {
+  return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
+         a.weight_decay() == b.weight_decay() && a.rank() == b.rank() &&
+         a.update_proj_gap() == b.update_proj_gap() && a.scale() == b.scale() &&
+         a.proj_type() == b.proj_type() && a.svd() == b.svd() && a.oversample() == b.oversample() &&
+         a.power_iters() == b.power_iters() && a.correct_bias() == b.correct_bias();
+}
+
+void GaLoreAdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("lr", c10::IValue(lr()));
+  archive.write("beta1", c10::IValue(std::get<0>(betas())));
+  archive.write("beta2", c10::IValue(std::get<1>(betas())));
+  archive.write("eps", c10::IValue(eps()));
+  archive.write("weight_decay", c10::IValue(weight_decay()));
+  archive.write("rank", c10::IValue(rank()));
+  archive.write("update_proj_gap", c10::IValue(update_proj_gap()));
+  archive.write("scale", c10::IValue(scale()));
+  archive.write("proj_type", c10::IValue(proj_type()));
+  archive.write("svd", c10::IValue(svd()));
+  archive.write("oversample", c10::IValue(oversample()));
+  archive.write("power_iters", c10::IValue(power_iters()));
+  archive.write("correct_bias", c10::IValue(correct_bias()));
+}
+
+void GaLoreAdamOptions::serialize(torch::serialize::InputArchive& archive) {
+  const char* what = "saved GaLoreAdamOptions";
+  lr(read_value(archive, "lr", what).toDouble());
+  betas(std::make_tuple(read_value(archive, "beta1", what).toDouble(), read_value(archive, "beta2", what).toDouble()));
+  eps(read_value(archive, "eps", what).toDouble());
+  weight_decay(read_value(archive, "weight_decay", what).toDouble());
+  rank(read_value(archive, "rank", what).toInt());
+  update_proj_gap(read_value(archive, "update_proj_gap", what).toInt());
+  scale(read_value(archive, "scale", what).toDouble());
+  proj_type(read_value(archive, "proj_type", what).toStringRef());
+  svd(read_value(archive, "svd", what).toStringRef());
+  oversample(read_value(archive, "oversample", what).toInt());
+  power_iters(read_value(archive, "power_iters", what).toInt());
+  correct_bias(read_value(archive, "correct_bias", what).toBool());
+}
+
+void GaLoreAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("step", c10::IValue(step()));
+  archive.write("exp_avg", exp_avg());
+  archive.write("exp_avg_sq", exp_avg_sq());
+  archive.write("has_projector", c10::IValue(projector().defined()));
+  if (projector().defined()) archive.write("projector", projector());
+  archive.write("right", c10::IValue(right()));
+}
+
+void GaLoreAdamParamState::serialize(torch::serialize::InputArchive& archive) {
+  const char* what = "saved GaLoreAdamParamState";
+  step(read_value(archive, "step", what).toInt());
+  auto read_tensor = [&](const char* key) {  // a fresh tensor each: read() into a defined one overwrites it
+    at::Tensor tensor;
+    TORCH_CHECK(archive.try_read(key, tensor), "gwt: ", what, " has no ", key);
+    return tensor;
+  };
+  exp_avg(read_tensor("exp_avg"));
+  exp_avg_sq(read_tensor("exp_avg_sq"));
+  projector(read_value(archive, "has_projector", what).toBool() ? read_tensor("projector") : at::Tensor());
+  right(read_value(archive, "right", what).toBool());
+}
+
+void validate_options(const GaLoreAdamOptions& o) {
+  optim_detail::check_adam_options(k_who, o.lr(), o.betas(), o.eps(), o.weight_decay());
+  TORCH_CHECK(o.rank() >= 0, k_who, ": invalid rank ", o.rank(), "; it must be >= 0 (0 = dense Adam)");
+  TORCH_CHECK(o.update_proj_gap() >= 1, k_who, ": invalid update_proj_gap ", o.update_proj_gap(),
+              "; it must be >= 1");
+  TORCH_CHECK(std::isfinite(o.scale()), k_who, ": invalid scale ", o.scale(), "; it must be finite");
+  const auto& p = o.proj_type();
+  TORCH_CHECK(p == "std" || p == "reverse_std" || p == "left" || p == "right", k_who,
+              ": unknown proj_type '", p, "'; valid values are std, reverse_std, left, right");
+  TORCH_CHECK(o.svd() == "exact" || o.svd() == "randomized", k_who, ": unknown svd '", o.svd(),
+              "'; valid values are exact, randomized");
+  TORCH_CHECK(o.oversample() >= 0 && o.power_iters() >= 0, k_who,
+              ": oversample and power_iters must be >= 0, got ", o.oversample(), " and ", o.power_iters());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> truncated_svd(const at::Tensor& matrix, int64_t rank,
+                                                             bool randomized, int64_t oversample,
+                                                             int64_t power_iters, uint64_t seed) {
+  TORCH_CHECK(matrix.dim() == 2, "gwt::truncated_svd needs a 2-D matrix, got shape ", matrix.sizes());
+  const int64_t m = matrix.size(0), n = matrix.size(1), k = std::min({rank, m, n});
+  TORCH_CHECK(k >= 1, "gwt::truncated_svd: rank must be >= 1, got ", rank);
+  if (!randomized) {
+    const auto [u, s, vh] = at::linalg_svd(matrix, /*full_matrices=*/false);
+    return {u.narrow(1, 0, k), s.narrow(0, 0, k), vh.narrow(0, 0, k)};
+  }
+  // Range finder (Halko, Martinsson, Tropp): Q spans G Omega, sharpened by subspace iterations.
+  const int64_t columns = std::min(k + oversample, std::min(m, n));
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::Tensor omega =
+      at::randn({n, columns}, generator, at::TensorOptions().dtype(matrix.scalar_type())).to(matrix.device());
+  at::Tensor q = std::get<0>(at::linalg_qr(at::matmul(matrix, omega)));
+  for (int64_t i = 0; i < power_iters; ++i) {
+    q = std::get<0>(at::linalg_qr(at::matmul(matrix.t(), q)));
+    q = std::get<0>(at::linalg_qr(at::matmul(matrix, q)));
+  }
+  const auto [ub, s, vh] = at::linalg_svd(at::matmul(q.t(), matrix), /*full_matrices=*/false);
+  return {at::matmul(q, ub).narrow(1, 0, k), s.narrow(0, 0, k), vh.narrow(0, 0, k)};
+}
+
+// ----------------------------------------------------------------------------------------------
+// Planning and the update
+// ----------------------------------------------------------------------------------------------
+
+namespace {
+
+const GaLoreAdamOptions& options_of(const torch::optim::OptimizerParamGroup& group) {
+  return static_cast<const GaLoreAdamOptions&>(group.options());
+}
+
+struct Plan {
+  bool projected = false;
+  bool right = true;
+  int64_t rank = 0;
+  std::vector<int64_t> state_shape;
+};
+
+Plan plan_for(const at::Tensor& param, const GaLoreAdamOptions& o) {
+  Plan plan;
+  plan.state_shape = param.sizes().vec();
+  if (param.dim() != 2 || o.rank() < 1 || o.rank() >= std::min(param.size(0), param.size(1))) return plan;
+  const int64_t m = param.size(0), n = param.size(1);
+  const auto& type = o.proj_type();
+  plan.projected = true;
+  plan.rank = o.rank();
+  plan.right = type == "right" || (type == "std" && m >= n) || (type == "reverse_std" && m < n);
+  plan.state_shape = plan.right ? std::vector<int64_t>{m, o.rank()} : std::vector<int64_t>{o.rank(), n};
+  return plan;
+}
+
+void check_state(const GaLoreAdamParamState& state, const at::Tensor& param, const Plan& plan) {
+  for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()})
+    TORCH_CHECK(t->defined() && t->sizes().vec() == plan.state_shape, k_who, ": the state of a parameter of shape ",
+                param.sizes(), " has moments of shape ", t->defined() ? t->sizes() : c10::IntArrayRef{},
+                " but its group's options need ", c10::IntArrayRef(plan.state_shape),
+                " (were rank or proj_type changed after training started?)");
+  if (plan.projected && state.projector().defined()) {
+    const std::vector<int64_t> expected = plan.right ? std::vector<int64_t>{plan.rank, param.size(1)}
+                                                     : std::vector<int64_t>{param.size(0), plan.rank};
+    TORCH_CHECK(state.projector().sizes().vec() == expected && state.right() == plan.right, k_who,
+                ": a saved projector of shape ", state.projector().sizes(), " does not fit a parameter of shape ",
+                param.sizes(), " at rank ", plan.rank);
+  }
+}
+
+// A new projector from an SVD of the gradient, or nullopt when the SVD fails or is not finite.
+std::optional<at::Tensor> fresh_projector(const at::Tensor& grad, const GaLoreAdamOptions& o, const Plan& plan,
+                                          int64_t iteration) {
+  // float32 SVD even for bfloat16/float16 gradients (float64 stays float64).
+  const at::Tensor g = grad.to(optim_detail::compute_dtype(grad));
+  try {
+    const auto [u, s, vh] = truncated_svd(g, plan.rank, o.svd() == "randomized", o.oversample(), o.power_iters(),
+                                          static_cast<uint64_t>(iteration));
+    at::Tensor projector = plan.right ? vh.contiguous() : u.contiguous();
+    if (!at::isfinite(projector).all().item<bool>()) return std::nullopt;
+    return projector;
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
+// The first r coordinate vectors: the projector of last resort, when the very first SVD fails.
+at::Tensor coordinate_projector(const at::Tensor& param, const Plan& plan, at::ScalarType dtype) {
+  const auto options = param.options().dtype(dtype);
+  return plan.right ? at::eye(plan.rank, param.size(1), options) : at::eye(param.size(0), plan.rank, options);
+}
+
+}  // namespace
+
+GaLoreAdam::GaLoreAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups, GaLoreAdamOptions defaults)
+    : Optimizer(param_groups, std::make_unique<GaLoreAdamOptions>(defaults)) {
+  validate_options(defaults);
+  std::unordered_set<const void*> seen;
+  for (const auto i : c10::irange(param_groups.size())) {
+    // add_param_group may have replaced a custom group's options with the defaults: restore them.
+    if (param_groups[i].has_options()) {
+      const auto* given = dynamic_cast<const GaLoreAdamOptions*>(&param_groups[i].options());
+      TORCH_CHECK(given != nullptr, k_who, ": parameter group ", i,
+                  " has options of another optimizer; give it gwt::GaLoreAdamOptions");
+      this->param_groups()[i].set_options(std::make_unique<GaLoreAdamOptions>(*given));
+    }
+    validate_options(options_of(this->param_groups()[i]));
+    for (const auto& param : this->param_groups()[i].params()) {
+      optim_detail::check_param(k_who, param);
+      TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, k_who, ": a parameter of shape ", param.sizes(),
+                  " appears more than once (each parameter may be in one group once)");
+    }
+  }
+}
+
+GaLoreAdam::GaLoreAdam(std::vector<at::Tensor> params, GaLoreAdamOptions defaults)
+    : GaLoreAdam({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+const GaLoreAdamOptions& GaLoreAdam::group_options(size_t i) const {
+  TORCH_CHECK(i < param_groups().size(), k_who, ": group ", i, " does not exist (there are ",
+              param_groups().size(), ")");
+  return options_of(param_groups()[i]);
+}
+
+at::Tensor GaLoreAdam::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  struct Work {
+    at::Tensor param;
+    const GaLoreAdamOptions* options;
+    Plan plan;
+  };
+  // Check everything first; nothing changes before the updates below.
+  std::vector<Work> work;
+  std::vector<at::Tensor> grads;
+  for (const auto& group : param_groups()) {
+    const GaLoreAdamOptions& options = options_of(group);
+    validate_options(options);
+    for (const auto& param : group.params()) {
+      optim_detail::check_param(k_who, param);
+      if (!param.grad().defined()) continue;
+      optim_detail::check_grad(k_who, param, param.grad());
+      Plan plan = plan_for(param, options);
+      auto it = state_.find(param.unsafeGetTensorImpl());
+      if (it != state_.end()) check_state(static_cast<const GaLoreAdamParamState&>(*it->second), param, plan);
+      work.push_back({param, &options, std::move(plan)});
+      grads.push_back(param.grad());
+    }
+  }
+  if (work.empty()) return loss;
+  if (!optim_detail::all_finite(grads)) {
+    ++skipped_steps_;
+    return loss;
+  }
+
+  for (const auto& w : work) {
+    const GaLoreAdamOptions& o = *w.options;
+    const at::ScalarType dtype = optim_detail::compute_dtype(w.param);
+    auto& slot = state_[w.param.unsafeGetTensorImpl()];
+    if (!slot) {
+      auto fresh = std::make_unique<GaLoreAdamParamState>();
+      fresh->exp_avg(at::zeros(w.plan.state_shape, w.param.options().dtype(dtype)));
+      fresh->exp_avg_sq(at::zeros(w.plan.state_shape, w.param.options().dtype(dtype)));
+      fresh->right(w.plan.right);
+      slot = std::move(fresh);
+    }
+    auto& state = static_cast<GaLoreAdamParamState&>(*slot);
+    const int64_t iteration = state.step();  // GaLore refreshes at iterations 0, gap, 2 gap, ...
+    state.step(iteration + 1);
+    const double step_size = optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), state.step());
+    const auto [beta1, beta2] = o.betas();
+    at::Tensor param = w.param.scalar_type() == dtype ? w.param : w.param.to(dtype);
+    const at::Tensor grad = w.param.grad().to(dtype);
+
+    if (!w.plan.projected) {
+      state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
+      state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+      param.addcdiv_(state.exp_avg(), state.exp_avg_sq().sqrt().add_(o.eps()), -step_size);
+    } else {
+      if (!state.projector().defined() || iteration % o.update_proj_gap() == 0) {
+        if (auto fresh = fresh_projector(grad, o, w.plan, iteration)) {
+          state.projector(fresh->to(dtype));
+        } else {
+          ++svd_fallbacks_;
+          if (!state.projector().defined()) state.projector(coordinate_projector(w.param, w.plan, dtype));
+        }
+        state.right(w.plan.right);
+      }
+      const at::Tensor& p = state.projector();
+      // m >= n (std): R = G Vr^T and back N Vr; otherwise R = Ur^T G and back Ur N.
+      const at::Tensor projected = w.plan.right ? at::matmul(grad, p.t()) : at::matmul(p.t(), grad);
+      state.exp_avg().mul_(beta1).add_(projected, 1 - beta1);
+      state.exp_avg_sq().mul_(beta2).addcmul_(projected, projected, 1 - beta2);
+      const at::Tensor normalized = state.exp_avg() / state.exp_avg_sq().sqrt().add_(o.eps());
+      const at::Tensor back = w.plan.right ? at::matmul(normalized, p) : at::matmul(p, normalized);
+      param.add_(back, -step_size * o.scale());
+    }
+    if (o.weight_decay() != 0) param.add_(param, -o.lr() * o.weight_decay());
+    if (!param.is_same(w.param)) w.param.copy_(param);
+  }
+  return loss;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Serialization (same layout as WaveletAdam's: per group its options and its parameters' state by
+// position; load() checks everything before it changes anything)
+// ----------------------------------------------------------------------------------------------
+
+namespace {
+constexpr const char* k_format = "gwt.GaLoreAdam.v1";
+std::string group_key(size_t i) { return "group_" + std::to_string(i); }
+std::string param_key(size_t j) { return "param_" + std::to_string(j); }
+}  // namespace
+
+void GaLoreAdam::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("format", c10::IValue(std::string(k_format)));
+  archive.write("num_groups", c10::IValue(static_cast<int64_t>(param_groups().size())));
+  archive.write("skipped_steps", c10::IValue(skipped_steps_));
+  archive.write("svd_fallbacks", c10::IValue(svd_fallbacks_));
+  for (const auto i : c10::irange(param_groups().size())) {
+    const auto& group = param_groups()[i];
+    torch::serialize::OutputArchive group_archive(archive.compilation_unit());
+    torch::serialize::OutputArchive options_archive(archive.compilation_unit());
+    options_of(group).serialize(options_archive);
+    group_archive.write("options", options_archive);
+    group_archive.write("num_params", c10::IValue(static_cast<int64_t>(group.params().size())));
+    for (const auto j : c10::irange(group.params().size())) {
+      const at::Tensor& param = group.params()[j];
+      group_archive.write(param_key(j) + "_shape", c10::IValue(param.sizes().vec()));
+      auto it = state_.find(param.unsafeGetTensorImpl());
+      if (it == state_.end()) continue;
+      torch::serialize::OutputArchive state_archive(archive.compilation_unit());
+      static_cast<const GaLoreAdamParamState&>(*it->second).serialize(state_archive);
+      group_archive.write(param_key(j), state_archive);
+    }
+    archive.write(group_key(i), group_archive);
+  }
+}
+
+void GaLoreAdam::load(torch::serialize::InputArchive& archive) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read("format", value) && value.isString() && value.toStringRef() == k_format, k_who,
+              "::load: not a ", k_format, " checkpoint (was it saved by another optimizer?)");
+  const char* what = "GaLoreAdam checkpoint";
+  const int64_t num_groups = read_value(archive, "num_groups", what).toInt();
+  TORCH_CHECK(num_groups == static_cast<int64_t>(param_groups().size()), k_who, "::load: the checkpoint has ",
+              num_groups, " parameter groups but this optimizer has ", param_groups().size());
+  const int64_t skipped = read_value(archive, "skipped_steps", what).toInt();
+  const int64_t fallbacks = read_value(archive, "svd_fallbacks", what).toInt();
+  std::vector<GaLoreAdamOptions> loaded_options;
+  std::vector<std::pair<void*, std::unique_ptr<GaLoreAdamParamState>>> loaded_state;
+  for (const auto i : c10::irange(param_groups().size())) {
+    const auto& group = param_groups()[i];
+    torch::serialize::InputArchive group_archive, options_archive;
+    TORCH_CHECK(archive.try_read(group_key(i), group_archive), k_who, "::load: group ", i, " is missing");
+    TORCH_CHECK(group_archive.try_read("options", options_archive), k_who, "::load: group ", i, " has no options");
+    GaLoreAdamOptions options;
+    options.serialize(options_archive);
+    validate_options(options);
+    const int64_t num_params = read_value(group_archive, "num_params", what).toInt();
+    TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()), k_who, "::load: group ", i, " has ",
+                num_params, " parameters in the checkpoint but ", group.params().size(), " here");
+    for (const auto j : c10::irange(group.params().size())) {
+      const at::Tensor& param = group.params()[j];
+      const auto saved_shape = read_value(group_archive, param_key(j) + "_shape", what).toIntVector();
+      TORCH_CHECK(saved_shape == param.sizes().vec(), k_who, "::load: parameter ", j, " of group ", i,
+                  " had shape ", c10::IntArrayRef(saved_shape), " when saved but has shape ", param.sizes(), " here");
+      torch::serialize::InputArchive state_archive;
+      if (!group_archive.try_read(param_key(j), state_archive)) continue;
+      auto state = std::make_unique<GaLoreAdamParamState>();
+      state->serialize(state_archive);
+      check_state(*state, param, plan_for(param, options));
+      const auto target = param.options().dtype(optim_detail::compute_dtype(param));
+      state->exp_avg(state->exp_avg().to(target).contiguous());
+      state->exp_avg_sq(state->exp_avg_sq().to(target).contiguous());
+      if (state->projector().defined()) state->projector(state->projector().to(target).contiguous());
+      loaded_state.emplace_back(param.unsafeGetTensorImpl(), std::move(state));
+    }
+    loaded_options.push_back(options);
+  }
+  for (const auto i : c10::irange(param_groups().size()))
+    param_groups()[i].set_options(std::make_unique<GaLoreAdamOptions>(loaded_options[i]));
+  state_.clear();
+  for (auto& [key, state] : loaded_state) state_[key] = std::move(state);
+  skipped_steps_ = skipped;
+  svd_fallbacks_ = fallbacks;
+}
+
+int64_t GaLoreAdam::state_bytes(const at::Tensor& param) const {
+  auto it = state_.find(param.unsafeGetTensorImpl());
+  if (it == state_.end()) return 0;
+  const auto& state = static_cast<const GaLoreAdamParamState&>(*it->second);
+  int64_t bytes = 0;
+  for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq(), &state.projector()})
+    if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+  return bytes;
+}
+
+int64_t GaLoreAdam::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& group : param_groups())
+    for (const auto& param : group.params()) bytes += state_bytes(param);
+  return bytes;
+}
+
+bool GaLoreAdam::is_projected_param(const at::Tensor& param) const {
+  for (const auto& group : param_groups())
+    for (const auto& p : group.params())
+      if (p.is_same(param)) return plan_for(param, options_of(group)).projected;
+  TORCH_CHECK(false, k_who, "::is_projected_param: the tensor is not a parameter of this optimizer");
+}
+
+}  // namespace gwt
