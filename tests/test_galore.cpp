@@ -28,10 +28,12 @@ const GaLoreAdamParamState& state_of(GaLoreAdam& opt, const at::Tensor& p) {
 }
 
 // One GaLore step from zero state, in plain float64 ATen: SVD, project, Adam, project back.
-at::Tensor expected_first_step(const at::Tensor& p0, const at::Tensor& g, const std::string& proj_type, int64_t r,
-                               double lr, double scale, double wd) {
+at::Tensor expected_first_step(const at::Tensor& p0, const at::Tensor& g,
+                               const std::string& proj_type, int64_t r, double lr, double scale,
+                               double wd) {
   const int64_t m = g.size(0), n = g.size(1);
-  const bool right = proj_type == "right" || (proj_type == "std" && m >= n) || (proj_type == "reverse_std" && m < n);
+  const bool right = proj_type == "right" || (proj_type == "std" && m >= n) ||
+                     (proj_type == "reverse_std" && m < n);
   const auto [u, s, vh] = at::linalg_svd(g, false);
   const at::Tensor P = right ? vh.narrow(0, 0, r) : u.narrow(1, 0, r);  // [r, n] or [m, r]
   const at::Tensor R = right ? at::matmul(g, P.t()) : at::matmul(P.t(), g);
@@ -51,12 +53,14 @@ TEST(GaLoreAdam, OneStepEqualsTheFormulaForEveryProjType) {
       at::Tensor p = at::randn(shape, at::kDouble).requires_grad_(true);
       const at::Tensor p0 = p.detach().clone();
       const at::Tensor g = at::randn(shape, at::kDouble);
-      GaLoreAdam opt({p}, GaLoreAdamOptions(0.01).rank(3).proj_type(proj_type).scale(0.5).weight_decay(0.1));
+      GaLoreAdam opt(
+          {p}, GaLoreAdamOptions(0.01).rank(3).proj_type(proj_type).scale(0.5).weight_decay(0.1));
       ASSERT_TRUE(opt.is_projected_param(p));
       p.mutable_grad() = g.clone();
       opt.step();
       // Singular vectors are defined up to sign; the update (P^T P and P P^T products) is not.
-      EXPECT_LE(max_abs_diff(p.detach(), expected_first_step(p0, g, proj_type, 3, 0.01, 0.5, 0.1)), 1e-12);
+      EXPECT_LE(max_abs_diff(p.detach(), expected_first_step(p0, g, proj_type, 3, 0.01, 0.5, 0.1)),
+                1e-12);
       const bool right = state_of(opt, p).right();
       EXPECT_EQ(state_of(opt, p).exp_avg().sizes(),
                 (right ? std::vector<int64_t>{shape[0], 3} : std::vector<int64_t>{3, shape[1]}));
@@ -83,16 +87,20 @@ TEST(GaLoreAdam, ProjectorChangesOnlyEveryUpdateProjGapSteps) {
 TEST(GaLoreAdam, SaveLoadContinuesBitIdentically) {
   for (const std::string svd : {"exact", "randomized"}) {
     at::manual_seed(5);
-    const at::Tensor init_w = at::randn({16, 12}, at::kDouble), init_b = at::randn({12}, at::kDouble);
+    const at::Tensor init_w = at::randn({16, 12}, at::kDouble),
+                     init_b = at::randn({12}, at::kDouble);
     std::vector<at::Tensor> grads_w, grads_b;
-    for (int t = 0; t < 10; ++t) grads_w.push_back(at::randn({16, 12}, at::kDouble)), grads_b.push_back(at::randn({12}, at::kDouble));
+    for (int t = 0; t < 10; ++t)
+      grads_w.push_back(at::randn({16, 12}, at::kDouble)),
+          grads_b.push_back(at::randn({12}, at::kDouble));
     const auto options = GaLoreAdamOptions(0.01).rank(4).update_proj_gap(3).svd(svd);
     auto run = [&](bool interrupt) {
       at::Tensor w = init_w.clone().requires_grad_(true), b = init_b.clone().requires_grad_(true);
       auto opt = std::make_unique<GaLoreAdam>(std::vector<at::Tensor>{w, b}, options);
       for (int t = 0; t < 10; ++t) {
         if (interrupt && t == 5) {
-          const std::string path = ::testing::TempDir() + "gwt_galore_" + std::to_string(::getpid()) + ".pt";
+          const std::string path =
+              ::testing::TempDir() + "gwt_galore_" + std::to_string(::getpid()) + ".pt";
           torch::save(*opt, path);
           opt = std::make_unique<GaLoreAdam>(std::vector<at::Tensor>{w, b}, GaLoreAdamOptions(0.5));
           torch::load(*opt, path);
@@ -116,10 +124,10 @@ TEST(GaLoreAdam, IllConditionedGradientsDoNotProduceNaN) {
   GaLoreAdam opt({p}, GaLoreAdamOptions(0.01).rank(4).update_proj_gap(1));
   const at::Tensor u = at::randn({20, 1}), v = at::randn({1, 10});
   const std::vector<at::Tensor> grads = {
-      at::zeros({20, 10}),                                              // no spectrum at all
-      at::matmul(u, v),                                                 // rank 1 < rank 4
-      at::matmul(u, v) * 1e30f + at::randn({20, 10}) * 1e-30f,          // condition number ~1e60
-      at::diag(at::logspace(-30, 30, 10)).repeat({2, 1}),               // singular values over 60 decades
+      at::zeros({20, 10}),                                      // no spectrum at all
+      at::matmul(u, v),                                         // rank 1 < rank 4
+      at::matmul(u, v) * 1e30f + at::randn({20, 10}) * 1e-30f,  // condition number ~1e60
+      at::diag(at::logspace(-30, 30, 10)).repeat({2, 1}),       // singular values over 60 decades
   };
   for (const auto& g : grads) {
     p.mutable_grad() = g;
@@ -133,22 +141,28 @@ TEST(GaLoreAdam, IllConditionedGradientsDoNotProduceNaN) {
 TEST(GaLoreAdam, RandomizedSvdQualityAgainstTheExactOne) {
   // A rank-8 matrix plus noise: the randomized projector captures the same energy as the exact one.
   at::manual_seed(7);
-  const at::Tensor g = at::matmul(at::randn({300, 8}), at::randn({8, 200})) + 0.01 * at::randn({300, 200});
+  const at::Tensor g =
+      at::matmul(at::randn({300, 8}), at::randn({8, 200})) + 0.01 * at::randn({300, 200});
   const auto [u, s, vh] = gwt::truncated_svd(g, 8, false);
   const auto [ur, sr, vhr] = gwt::truncated_svd(g, 8, true, 8, 2, 11);
   const double exact = at::matmul(g, vh.t()).norm().item<double>();
   const double randomized = at::matmul(g, vhr.t()).norm().item<double>();
-  std::printf("randomized SVD, rank 8 of 300x200: captured energy %.6f of the exact SVD's\n", randomized / exact);
+  std::printf("randomized SVD, rank 8 of 300x200: captured energy %.6f of the exact SVD's\n",
+              randomized / exact);
   EXPECT_GE(randomized / exact, 0.999);
   EXPECT_LE(max_abs_diff(sr, s) / s[0].item<double>(), 1e-3);
 }
 
 TEST(GaLoreAdam, DensePathGroupsAndScheduler) {
-  at::Tensor w = at::randn({8, 6}, at::kDouble).requires_grad_(true), bias = at::randn({6}, at::kDouble).requires_grad_(true);
-  at::Tensor thin = at::randn({8, 2}, at::kDouble).requires_grad_(true);  // rank 4 >= min dim: dense
+  at::Tensor w = at::randn({8, 6}, at::kDouble).requires_grad_(true),
+             bias = at::randn({6}, at::kDouble).requires_grad_(true);
+  at::Tensor thin =
+      at::randn({8, 2}, at::kDouble).requires_grad_(true);  // rank 4 >= min dim: dense
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(std::vector<at::Tensor>{w, thin}, std::make_unique<GaLoreAdamOptions>(GaLoreAdamOptions(0.02).rank(4)));
-  groups.emplace_back(std::vector<at::Tensor>{bias}, std::make_unique<GaLoreAdamOptions>(GaLoreAdamOptions(0.005).rank(0)));
+  groups.emplace_back(std::vector<at::Tensor>{w, thin},
+                      std::make_unique<GaLoreAdamOptions>(GaLoreAdamOptions(0.02).rank(4)));
+  groups.emplace_back(std::vector<at::Tensor>{bias},
+                      std::make_unique<GaLoreAdamOptions>(GaLoreAdamOptions(0.005).rank(0)));
   GaLoreAdam opt(std::move(groups), GaLoreAdamOptions(0.5));
   EXPECT_EQ(opt.group_options(0).lr(), 0.02);
   EXPECT_EQ(opt.group_options(1).lr(), 0.005);
@@ -172,7 +186,8 @@ TEST(GaLoreAdam, BadOptionsAreRejected) {
   EXPECT_THROW(GaLoreAdam({p}, GaLoreAdamOptions().update_proj_gap(0)), c10::Error);
   EXPECT_THROW(GaLoreAdam({p}, GaLoreAdamOptions().proj_type("diagonal")), c10::Error);
   EXPECT_THROW(GaLoreAdam({p}, GaLoreAdamOptions().svd("lanczos")), c10::Error);
-  EXPECT_THROW(GaLoreAdam({p}, GaLoreAdamOptions(std::numeric_limits<double>::quiet_NaN())), c10::Error);
+  EXPECT_THROW(GaLoreAdam({p}, GaLoreAdamOptions(std::numeric_limits<double>::quiet_NaN())),
+               c10::Error);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -196,10 +211,13 @@ TEST(LowRankLinear, SpectralErrorIsTheNextSingularValue) {
   const at::Tensor s = at::linalg_svdvals(dense->weight.detach().to(at::kDouble));
   for (int64_t r : {1, 5, 12, 29}) {
     const auto low = gwt::nn::factorize(dense, {r});
-    EXPECT_NEAR(low->reconstruction_error(), s[r].item<double>(), 1e-6 * s[0].item<double>()) << "rank " << r;
+    EXPECT_NEAR(low->reconstruction_error(), s[r].item<double>(), 1e-6 * s[0].item<double>())
+        << "rank " << r;
     // The stored float32 factors reproduce it too (measured independently here).
     const double measured =
-        at::linalg_matrix_norm(dense->weight.detach().to(at::kDouble) - low->weight().to(at::kDouble), 2).item<double>();
+        at::linalg_matrix_norm(
+            dense->weight.detach().to(at::kDouble) - low->weight().to(at::kDouble), 2)
+            .item<double>();
     EXPECT_NEAR(measured, s[r].item<double>(), 1e-5 * s[0].item<double>()) << "rank " << r;
     EXPECT_EQ(low->rank(), r);
   }
@@ -219,9 +237,9 @@ TEST(LowRankLinear, EnergyRulePicksTheSmallestSufficientRank) {
     dense->weight.copy_(at::matmul(u * s, v.t()));
   }
   EXPECT_EQ(gwt::nn::rank_for_energy(s, 100.0 / 130.01), 1);
-  EXPECT_EQ(gwt::nn::rank_for_energy(s, 0.9), 2);     // 125 / 130.01 = 0.961
-  EXPECT_EQ(gwt::nn::rank_for_energy(s, 0.97), 3);    // 129 / 130.01 = 0.992
-  EXPECT_EQ(gwt::nn::rank_for_energy(s, 0.995), 4);   // 130 / 130.01 = 0.99992
+  EXPECT_EQ(gwt::nn::rank_for_energy(s, 0.9), 2);    // 125 / 130.01 = 0.961
+  EXPECT_EQ(gwt::nn::rank_for_energy(s, 0.97), 3);   // 129 / 130.01 = 0.992
+  EXPECT_EQ(gwt::nn::rank_for_energy(s, 0.995), 4);  // 130 / 130.01 = 0.99992
   EXPECT_EQ(gwt::nn::rank_for_energy(s, 1.0), 5);
   EXPECT_EQ(gwt::nn::factorize(dense, {0, 0.97})->rank(), 3);
   EXPECT_THROW(gwt::nn::rank_for_energy(s, 1.5), c10::Error);

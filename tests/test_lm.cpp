@@ -16,7 +16,9 @@
 
 namespace {
 
-lm::ModelConfig small_config() { return {256, 32, 2, 2, 64, 16}; }
+lm::ModelConfig small_config() {
+  return {256, 32, 2, 2, 64, 16};
+}
 
 std::string temp_path(const std::string& name) {
   return ::testing::TempDir() + "gwt_lm_" + std::to_string(::getpid()) + "_" + name;
@@ -82,7 +84,8 @@ TEST(LanguageModel, WaveletStateIsAtMost35PercentOfAdamW) {
 
 TEST(LanguageModelData, SplitIsDeterministicDisjointAndComplete) {
   std::string text;
-  for (int i = 0; i < 100; ++i) text += "fortune number " + std::to_string(i) + "\nsecond line\n%\n";
+  for (int i = 0; i < 100; ++i)
+    text += "fortune number " + std::to_string(i) + "\nsecond line\n%\n";
   const lm::Corpus a = lm::split_corpus(text), b = lm::split_corpus(text);
   EXPECT_EQ(a.documents, 100);
   EXPECT_EQ(a.train, b.train);
@@ -90,7 +93,8 @@ TEST(LanguageModelData, SplitIsDeterministicDisjointAndComplete) {
   // Every 20th document validates: 0, 20, 40, 60, 80.
   for (int i = 0; i < 100; ++i) {
     const std::string doc = "fortune number " + std::to_string(i) + "\n";
-    const bool in_val = a.val.find(doc) != std::string::npos, in_train = a.train.find(doc) != std::string::npos;
+    const bool in_val = a.val.find(doc) != std::string::npos,
+               in_train = a.train.find(doc) != std::string::npos;
     EXPECT_NE(in_val, in_train) << i;
     EXPECT_EQ(in_val, i % 20 == 0) << i;
   }
@@ -129,7 +133,8 @@ TEST(LanguageModelData, DefaultCorpusIsTheFortunesText) {
 
 TEST(LanguageModelRun, UnknownPresetOptimizerAndUnwritableDirectory) {
   expect_input_error([] { lm::preset("huge"); }, "unknown preset 'huge'; valid presets are tiny");
-  expect_input_error([] { lm::optimizer_spec("sgd"); }, "unknown optimizer 'sgd'; valid optimizers are adamw");
+  expect_input_error([] { lm::optimizer_spec("sgd"); },
+                     "unknown optimizer 'sgd'; valid optimizers are adamw");
   expect_input_error([] { lm::ensure_writable_dir("/proc/gwt-results"); }, "not writable");
 }
 
@@ -143,7 +148,8 @@ TEST(LanguageModelRun, CosineScheduleWarmsUpAndFloorsAtATenth) {
 
 TEST(LanguageModelReport, CsvRoundTripAndTable) {
   const std::string csv = temp_path("run.csv"), summary = temp_path("run.summary");
-  const std::vector<lm::EvalPoint> points = {{50, 0.003, 2.5, 2.4, 10.0}, {100, 0.001, 2.1, 2.0, 20.5}};
+  const std::vector<lm::EvalPoint> points = {{50, 0.003, 2.5, 2.4, 10.0},
+                                             {100, 0.001, 2.1, 2.0, 20.5}};
   lm::write_csv(csv, points);
   const auto back = lm::read_csv(csv);
   ASSERT_EQ(back.size(), 2u);
@@ -154,8 +160,19 @@ TEST(LanguageModelReport, CsvRoundTripAndTable) {
   std::getline(in, header);
   EXPECT_EQ(header, "step,lr,train_loss,val_loss,val_ppl,seconds");
 
-  lm::RunSummary adamw{"adamw", "AdamW", 0.003, 1, 2.0, std::exp(2.0), 8000, 0, 100 << 20, 50.0, 100};
-  lm::RunSummary wavelet{"wavelet-haar-l2", "WaveletAdam haar L=2", 0.003, 1, 2.02, std::exp(2.02), 2400, 1600, 90 << 20, 40.0, 100};
+  lm::RunSummary adamw{"adamw", "AdamW", 0.003,     1,    2.0, std::exp(2.0),
+                       8000,    0,       100 << 20, 50.0, 100};
+  lm::RunSummary wavelet{"wavelet-haar-l2",
+                         "WaveletAdam haar L=2",
+                         0.003,
+                         1,
+                         2.02,
+                         std::exp(2.02),
+                         2400,
+                         1600,
+                         90 << 20,
+                         40.0,
+                         100};
   lm::write_summary(summary, wavelet);
   const lm::RunSummary read = lm::read_summary(summary);
   EXPECT_EQ(read.label, wavelet.label);

@@ -40,8 +40,10 @@ TORCH_MODULE(Mlp);
 
 struct CnnImpl : torch::nn::Module {
   CnnImpl()
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 3).padding(1)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 3).padding(1)))),
+      : conv1(register_module("conv1",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 3).padding(1)))),
+        conv2(register_module("conv2",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 3).padding(1)))),
         fc(register_module("fc", torch::nn::Linear(32 * 7 * 7, 128))),
         head(register_module("head", torch::nn::Linear(128, 10))) {}
   at::Tensor forward(const at::Tensor& x) {
@@ -75,9 +77,11 @@ Result run(const std::string& data, int epochs, bool wavelet) {
   Net net;
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (wavelet)
-    opt = std::make_unique<gwt::WaveletAdam>(gwt::paper_param_groups(*net, gwt::WaveletAdamOptions(1e-3).level(2)));
+    opt = std::make_unique<gwt::WaveletAdam>(
+        gwt::paper_param_groups(*net, gwt::WaveletAdamOptions(1e-3).level(2)));
   else
-    opt = std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0));
+    opt = std::make_unique<torch::optim::AdamW>(net->parameters(),
+                                                torch::optim::AdamWOptions(1e-3).weight_decay(0));
   auto train = torch::data::make_data_loader(
       torch::data::datasets::MNIST(data, torch::data::datasets::MNIST::Mode::kTrain)
           .map(torch::data::transforms::Normalize<>(0.2860, 0.3530))
@@ -115,7 +119,10 @@ int main(int argc, char** argv) {
   const std::string data = argv[1];
   const int epochs = argc > 2 ? std::atoi(argv[2]) : 1;
   if (!std::filesystem::exists(data + "/train-images-idx3-ubyte")) {
-    std::fprintf(stderr, "fashion_mnist: error: no train-images-idx3-ubyte in '%s' (run scripts/fashion_mnist.sh)\n", data.c_str());
+    std::fprintf(
+        stderr,
+        "fashion_mnist: error: no train-images-idx3-ubyte in '%s' (run scripts/fashion_mnist.sh)\n",
+        data.c_str());
     return 2;
   }
   if (epochs < 1) {
@@ -127,7 +134,8 @@ int main(int argc, char** argv) {
   std::printf("|---|---|---:|---:|---:|\n");
   auto row = [](const char* model, const char* optimizer, const Result& r, const Result& base) {
     std::printf("| %s | %s | %.2f%% | %lld | %.1f%% |\n", model, optimizer, 100 * r.accuracy,
-                static_cast<long long>(r.state_bytes), 100.0 * static_cast<double>(r.state_bytes) / static_cast<double>(base.state_bytes));
+                static_cast<long long>(r.state_bytes),
+                100.0 * static_cast<double>(r.state_bytes) / static_cast<double>(base.state_bytes));
     std::fflush(stdout);
   };
   const Result mlp_adamw = run<Mlp>(data, epochs, false);

@@ -52,7 +52,8 @@ AttentionImpl::AttentionImpl(int64_t dim, int64_t heads_)
   TORCH_CHECK(dim % heads == 0 && (dim / heads) % 2 == 0, "dim must split into even-sized heads");
 }
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
+                                  const at::Tensor& sin) {
   const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
   auto split = [&](const at::Tensor& y) { return y.view({b, t, heads, hd}).transpose(1, 2); };
   const at::Tensor c = cos.narrow(0, 0, t), s = sin.narrow(0, 0, t);
@@ -96,14 +97,16 @@ DecoderImpl::DecoderImpl(const ModelConfig& c)
       p.normal_(0.0, 0.02);
     }
   const int64_t half = c.dim / c.heads / 2;
-  const at::Tensor inv_freq = at::pow(10000.0, -at::arange(half, at::kFloat) / static_cast<double>(half));
+  const at::Tensor inv_freq =
+      at::pow(10000.0, -at::arange(half, at::kFloat) / static_cast<double>(half));
   const at::Tensor angles = at::outer(at::arange(c.seq_len, at::kFloat), inv_freq);
   rope_cos = register_buffer("rope_cos", angles.cos());
   rope_sin = register_buffer("rope_sin", angles.sin());
 }
 
 at::Tensor DecoderImpl::forward(const at::Tensor& tokens) {
-  TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= config.seq_len, "tokens must be [batch, <= seq_len]");
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= config.seq_len,
+              "tokens must be [batch, <= seq_len]");
   at::Tensor x = embed(tokens);
   for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x, rope_cos, rope_sin);
   return lm_head(norm(x));
@@ -113,7 +116,9 @@ at::Tensor DecoderImpl::forward(const at::Tensor& tokens) {
 // Data
 // ---------------------------------------------------------------------------------------------
 
-std::string default_corpus_dir() { return "/usr/share/games/fortunes"; }
+std::string default_corpus_dir() {
+  return "/usr/share/games/fortunes";
+}
 
 namespace {
 
@@ -134,7 +139,8 @@ std::vector<std::string> split_documents(const std::string& text) {
   std::string line, doc;
   bool fortune_format = text.find("\n%\n") != std::string::npos;
   while (std::getline(lines, line)) {
-    const bool separator = fortune_format ? line == "%" : line.find_first_not_of(" \t\r") == std::string::npos;
+    const bool separator =
+        fortune_format ? line == "%" : line.find_first_not_of(" \t\r") == std::string::npos;
     if (separator) {
       flush(doc);
     } else {
@@ -164,8 +170,9 @@ Corpus load_corpus(const std::string& path_arg, int64_t seq_len) {
   const fs::path path = path_arg.empty() ? fs::path(default_corpus_dir()) : fs::path(path_arg);
   std::error_code ec;
   if (!fs::exists(path, ec))
-    throw InputError("corpus '" + path.string() + "' does not exist" +
-                     (path_arg.empty() ? " (install Debian's fortunes package, or pass --corpus FILE)" : ""));
+    throw InputError(
+        "corpus '" + path.string() + "' does not exist" +
+        (path_arg.empty() ? " (install Debian's fortunes package, or pass --corpus FILE)" : ""));
   std::string text;
   if (fs::is_directory(path, ec)) {
     std::vector<fs::path> files;
@@ -184,8 +191,9 @@ Corpus load_corpus(const std::string& path_arg, int64_t seq_len) {
   c.source = path.string();
   const auto need = static_cast<size_t>(seq_len + 2);
   if (c.train.size() < need || c.val.size() < need)
-    throw InputError("corpus '" + path.string() + "' is too small: " + std::to_string(c.train.size()) +
-                     " training and " + std::to_string(c.val.size()) + " validation bytes, need at least " +
+    throw InputError("corpus '" + path.string() +
+                     "' is too small: " + std::to_string(c.train.size()) + " training and " +
+                     std::to_string(c.val.size()) + " validation bytes, need at least " +
                      std::to_string(need) + " of each");
   return c;
 }
@@ -194,7 +202,8 @@ namespace {
 at::Tensor window(const std::string& text, int64_t start, int64_t len) {
   at::Tensor out = at::empty({len}, at::kLong);
   auto* p = out.data_ptr<int64_t>();
-  for (int64_t i = 0; i < len; ++i) p[i] = static_cast<unsigned char>(text[static_cast<size_t>(start + i)]);
+  for (int64_t i = 0; i < len; ++i)
+    p[i] = static_cast<unsigned char>(text[static_cast<size_t>(start + i)]);
   return out;
 }
 }  // namespace
@@ -219,7 +228,8 @@ at::Tensor Batches::next() {
 at::Tensor validation_windows(const std::string& text, int64_t seq_len, int64_t count) {
   const int64_t span = static_cast<int64_t>(text.size()) - seq_len - 1;
   std::vector<at::Tensor> rows;
-  for (int64_t i = 0; i < count; ++i) rows.push_back(window(text, count > 1 ? span * i / (count - 1) : 0, seq_len + 1));
+  for (int64_t i = 0; i < count; ++i)
+    rows.push_back(window(text, count > 1 ? span * i / (count - 1) : 0, seq_len + 1));
   return at::stack(rows);
 }
 
@@ -227,7 +237,9 @@ at::Tensor validation_windows(const std::string& text, int64_t seq_len, int64_t 
 // Training
 // ---------------------------------------------------------------------------------------------
 
-std::vector<std::string> preset_names() { return {"tiny", "llama-20m", "llama-60m"}; }
+std::vector<std::string> preset_names() {
+  return {"tiny", "llama-20m", "llama-60m"};
+}
 
 Preset preset(const std::string& name) {
   Preset p;
@@ -250,7 +262,8 @@ Preset preset(const std::string& name) {
 }
 
 std::vector<std::string> optimizer_names() {
-  return {"adamw", "wavelet-haar-l1", "wavelet-haar-l2", "wavelet-haar-l3", "wavelet-db2-l2"};
+  return {"adamw",           "wavelet-haar-l1", "wavelet-haar-l2",
+          "wavelet-haar-l3", "wavelet-db2-l2",  "galore"};
 }
 
 OptimizerSpec optimizer_spec(const std::string& name) {
@@ -260,8 +273,15 @@ OptimizerSpec optimizer_spec(const std::string& name) {
     s.label = "AdamW";
     return s;
   }
+  if (name == "galore") {  // rank set by make_optimizer: dim / 4, the moments of WaveletAdam L=2
+    s.label = "GaLoreAdam r=dim/4";
+    s.galore = true;
+    return s;
+  }
   const std::vector<std::tuple<std::string, std::string, int64_t>> wavelets = {
-      {"wavelet-haar-l1", "haar", 1}, {"wavelet-haar-l2", "haar", 2}, {"wavelet-haar-l3", "haar", 3},
+      {"wavelet-haar-l1", "haar", 1},
+      {"wavelet-haar-l2", "haar", 2},
+      {"wavelet-haar-l3", "haar", 3},
       {"wavelet-db2-l2", "db2", 2}};
   for (const auto& [n, w, l] : wavelets)
     if (n == name) {
@@ -275,9 +295,25 @@ OptimizerSpec optimizer_spec(const std::string& name) {
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec, Decoder& model) {
+  if (spec.galore) {
+    // The paper's grouping, with GaLore options: projection for the linear weights, dense others.
+    const auto options = gwt::GaLoreAdamOptions(spec.lr)
+                             .weight_decay(spec.weight_decay)
+                             .rank(model->config.dim / 4)
+                             .scale(spec.scale);
+    std::vector<at::Tensor> projected, dense;
+    for (const auto& a : gwt::assign_param_groups(*model))
+      (a.wavelet ? projected : dense).push_back(a.param);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(projected, std::make_unique<gwt::GaLoreAdamOptions>(options));
+    groups.emplace_back(
+        dense, std::make_unique<gwt::GaLoreAdamOptions>(gwt::GaLoreAdamOptions(options).rank(0)));
+    return std::make_unique<gwt::GaLoreAdam>(std::move(groups), options);
+  }
   if (spec.wavelet.empty())
     return std::make_unique<torch::optim::AdamW>(
-        model->parameters(), torch::optim::AdamWOptions(spec.lr).weight_decay(spec.weight_decay).eps(1e-6));
+        model->parameters(),
+        torch::optim::AdamWOptions(spec.lr).weight_decay(spec.weight_decay).eps(1e-6));
   const auto options = gwt::WaveletAdamOptions(spec.lr)
                            .weight_decay(spec.weight_decay)
                            .wavelet(spec.wavelet)
@@ -287,6 +323,13 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
 }
 
 std::pair<int64_t, int64_t> state_bytes(torch::optim::Optimizer& opt) {
+  if (auto* g = dynamic_cast<gwt::GaLoreAdam*>(&opt)) {
+    int64_t projected = 0;
+    for (const auto& group : g->param_groups())
+      for (const auto& p : group.params())
+        if (g->is_projected_param(p)) projected += g->state_bytes(p);
+    return {g->state_bytes(), projected};
+  }
   if (auto* w = dynamic_cast<gwt::WaveletAdam*>(&opt)) {
     int64_t wavelet = 0;
     for (const auto& group : w->param_groups())
@@ -305,7 +348,8 @@ std::pair<int64_t, int64_t> state_bytes(torch::optim::Optimizer& opt) {
 
 double cosine_lr(double peak, int64_t step, int64_t warmup, int64_t total) {
   if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const double progress = std::min(1.0, static_cast<double>(step - warmup) / std::max<int64_t>(1, total - warmup));
+  const double progress =
+      std::min(1.0, static_cast<double>(step - warmup) / std::max<int64_t>(1, total - warmup));
   return peak * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
@@ -346,8 +390,8 @@ void write_csv(const std::string& path, const std::vector<EvalPoint>& points) {
   if (!out) throw InputError("cannot write '" + path + "'");
   out << "step,lr,train_loss,val_loss,val_ppl,seconds\n" << std::setprecision(9);
   for (const auto& p : points)
-    out << p.step << ',' << p.lr << ',' << p.train_loss << ',' << p.val_loss << ',' << std::exp(p.val_loss)
-        << ',' << p.seconds << '\n';
+    out << p.step << ',' << p.lr << ',' << p.train_loss << ',' << p.val_loss << ','
+        << std::exp(p.val_loss) << ',' << p.seconds << '\n';
 }
 
 std::vector<EvalPoint> read_csv(const std::string& path) {
@@ -373,8 +417,8 @@ void write_summary(const std::string& path, const RunSummary& s) {
   out << std::setprecision(12) << "name=" << s.name << "\nlabel=" << s.label << "\nlr=" << s.lr
       << "\nscale=" << s.scale << "\nval_loss=" << s.val_loss << "\nval_ppl=" << s.val_ppl
       << "\nstate_bytes=" << s.state_bytes << "\nwavelet_state_bytes=" << s.wavelet_state_bytes
-      << "\npeak_rss_bytes=" << s.peak_rss_bytes << "\nms_per_step=" << s.ms_per_step << "\nsteps=" << s.steps
-      << "\n";
+      << "\npeak_rss_bytes=" << s.peak_rss_bytes << "\nms_per_step=" << s.ms_per_step
+      << "\nsteps=" << s.steps << "\n";
 }
 
 RunSummary read_summary(const std::string& path) {
@@ -395,7 +439,8 @@ RunSummary read_summary(const std::string& path) {
   s.name = get("name"), s.label = get("label");
   s.lr = std::stod(get("lr")), s.scale = std::stod(get("scale"));
   s.val_loss = std::stod(get("val_loss")), s.val_ppl = std::stod(get("val_ppl"));
-  s.state_bytes = std::stoll(get("state_bytes")), s.wavelet_state_bytes = std::stoll(get("wavelet_state_bytes"));
+  s.state_bytes = std::stoll(get("state_bytes")),
+  s.wavelet_state_bytes = std::stoll(get("wavelet_state_bytes"));
   s.peak_rss_bytes = std::stoll(get("peak_rss_bytes"));
   s.ms_per_step = std::stod(get("ms_per_step")), s.steps = std::stoll(get("steps"));
   return s;
@@ -404,16 +449,19 @@ RunSummary read_summary(const std::string& path) {
 std::string results_table(const std::vector<RunSummary>& runs) {
   std::ostringstream out;
   out << "| run | lr | scale | val loss | val ppl | loss vs AdamW | state bytes | state vs AdamW | "
-         "wavelet-part state | peak RSS MiB | ms / step |\n";
+         "compressed-part state | peak RSS MiB | ms / step |\n";
   out << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   const RunSummary* base = runs.empty() ? nullptr : &runs.front();
   for (const auto& r : runs) {
     char row[512];
-    std::snprintf(row, sizeof(row), "| %s | %g | %g | %.4f | %.3f | %+.2f%% | %lld | %.1f%% | %lld | %.0f | %.1f |\n",
+    std::snprintf(row, sizeof(row),
+                  "| %s | %g | %g | %.4f | %.3f | %+.2f%% | %lld | %.1f%% | %lld | %.0f | %.1f |\n",
                   r.label.c_str(), r.lr, r.scale, r.val_loss, r.val_ppl,
                   base ? 100.0 * (r.val_loss / base->val_loss - 1.0) : 0.0,
                   static_cast<long long>(r.state_bytes),
-                  base && base->state_bytes > 0 ? 100.0 * static_cast<double>(r.state_bytes) / static_cast<double>(base->state_bytes) : 100.0,
+                  base && base->state_bytes > 0 ? 100.0 * static_cast<double>(r.state_bytes) /
+                                                      static_cast<double>(base->state_bytes)
+                                                : 100.0,
                   static_cast<long long>(r.wavelet_state_bytes),
                   static_cast<double>(r.peak_rss_bytes) / (1024.0 * 1024.0), r.ms_per_step);
     out << row;

@@ -137,11 +137,12 @@ std::vector<std::string> preset_names();
 
 /// One optimizer setting of the comparison; lr and scale are stated in the report.
 struct OptimizerSpec {
-  std::string name;       // e.g. "wavelet-haar-l2"
-  std::string label;      // e.g. "WaveletAdam haar L=2"
+  std::string name;   // e.g. "wavelet-haar-l2"
+  std::string label;  // e.g. "WaveletAdam haar L=2"
   double lr = 3e-3;
   double weight_decay = 0.0;
-  std::string wavelet;    // empty for AdamW
+  std::string wavelet;  // empty for AdamW and GaLore
+  bool galore = false;
   int64_t level = 0;
   double scale = 1.0;
 };
@@ -150,7 +151,7 @@ std::vector<std::string> optimizer_names();
 
 /// Builds the optimizer for a model (WaveletAdam with gwt::paper_param_groups).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec, Decoder& model);
-/// Optimizer-state bytes: {whole model, wavelet-path parameters only}.
+/// Optimizer-state bytes: {whole model, compressed (wavelet or projected) parameters only}.
 std::pair<int64_t, int64_t> state_bytes(torch::optim::Optimizer& opt);
 
 /// Cosine schedule with linear warm-up and a floor at 0.1 of the peak.

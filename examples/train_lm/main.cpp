@@ -63,19 +63,32 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw lm::InputError(flag + " needs a value");
       return argv[++i];
     };
-    if (flag == "--preset") a.preset = value();
-    else if (flag == "--optimizers") a.optimizers = split(value());
-    else if (flag == "--corpus") a.corpus = value();
-    else if (flag == "--out") a.out = value();
-    else if (flag == "--steps") a.steps = static_cast<int64_t>(parse_double(flag, value()));
-    else if (flag == "--device") a.device = value();
-    else if (flag == "--lr-adamw") a.lr_adamw = parse_double(flag, value());
-    else if (flag == "--lr-wavelet") a.lr_wavelet = parse_double(flag, value());
-    else if (flag == "--scale") a.scale = parse_double(flag, value());
-    else if (flag == "--quiet") a.quiet = true;
-    else throw lm::InputError("unknown argument '" + flag + "' (see the comment at the top of main.cpp)");
+    if (flag == "--preset")
+      a.preset = value();
+    else if (flag == "--optimizers")
+      a.optimizers = split(value());
+    else if (flag == "--corpus")
+      a.corpus = value();
+    else if (flag == "--out")
+      a.out = value();
+    else if (flag == "--steps")
+      a.steps = static_cast<int64_t>(parse_double(flag, value()));
+    else if (flag == "--device")
+      a.device = value();
+    else if (flag == "--lr-adamw")
+      a.lr_adamw = parse_double(flag, value());
+    else if (flag == "--lr-wavelet")
+      a.lr_wavelet = parse_double(flag, value());
+    else if (flag == "--scale")
+      a.scale = parse_double(flag, value());
+    else if (flag == "--quiet")
+      a.quiet = true;
+    else
+      throw lm::InputError("unknown argument '" + flag +
+                           "' (see the comment at the top of main.cpp)");
   }
-  if (a.device != "cpu" && a.device != "cuda") throw lm::InputError("--device must be cpu or cuda, got '" + a.device + "'");
+  if (a.device != "cpu" && a.device != "cuda")
+    throw lm::InputError("--device must be cpu or cuda, got '" + a.device + "'");
   if (a.optimizers.empty()) throw lm::InputError("--optimizers needs at least one name");
   return a;
 }
@@ -83,7 +96,8 @@ Args parse(int argc, char** argv) {
 void progress(const std::string& label, int64_t step, int64_t total, double loss, double elapsed) {
   const int width = 30;
   const int filled = static_cast<int>(width * (step + 1) / total);
-  const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
+  const double eta =
+      elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
   std::fprintf(stderr, "\r%-22s [%s%s] %5lld/%lld loss %.3f ETA %4.0fs ", label.c_str(),
                std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
                static_cast<long long>(step + 1), static_cast<long long>(total), loss, eta);
@@ -91,14 +105,16 @@ void progress(const std::string& label, int64_t step, int64_t total, double loss
 }
 
 // One run, in the child process.
-lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpus& corpus, lm::OptimizerSpec spec) {
+lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpus& corpus,
+                     lm::OptimizerSpec spec) {
   const at::Device device = args.device == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   at::manual_seed(1234);  // the same initial model for every optimizer
   lm::Decoder model(preset.model);
   model->to(device);
   auto opt = lm::make_optimizer(spec, model);
   lm::Batches batches(corpus.train, preset.batch, preset.model.seq_len, 42);
-  const at::Tensor val = lm::validation_windows(corpus.val, preset.model.seq_len, preset.eval_windows).to(device);
+  const at::Tensor val =
+      lm::validation_windows(corpus.val, preset.model.seq_len, preset.eval_windows).to(device);
   const std::string csv = args.out + "/" + spec.name + ".csv";
 
   std::vector<lm::EvalPoint> points;
@@ -111,16 +127,19 @@ lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpu
     const at::Tensor batch = batches.next().to(device);
     opt->zero_grad();
     const at::Tensor logits = model->forward(batch.narrow(1, 0, preset.model.seq_len));
-    const at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
-                                                   batch.narrow(1, 1, preset.model.seq_len).reshape({-1}));
+    const at::Tensor loss =
+        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
+                               batch.narrow(1, 1, preset.model.seq_len).reshape({-1}));
     loss.backward();
     opt->step();
     const double loss_value = loss.item<double>();
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     recent_loss = step == 0 ? loss_value : 0.9 * recent_loss + 0.1 * loss_value;
     if ((step + 1) % preset.eval_every == 0 || step + 1 == preset.steps) {
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      points.push_back({step + 1, lr, recent_loss, lm::evaluate(model, val, preset.batch), seconds});
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      points.push_back(
+          {step + 1, lr, recent_loss, lm::evaluate(model, val, preset.batch), seconds});
       lm::write_csv(csv, points);
     }
     if (!args.quiet && ((step + 1) % 5 == 0 || step + 1 == preset.steps))
@@ -156,18 +175,23 @@ int main(int argc, char** argv) {
     }
     for (const auto& name : args.optimizers) {
       lm::OptimizerSpec spec = lm::optimizer_spec(name);
-      spec.lr = spec.wavelet.empty() ? args.lr_adamw : args.lr_wavelet;
-      if (!spec.wavelet.empty()) spec.scale = args.scale;
+      const bool adamw = spec.wavelet.empty() && !spec.galore;
+      // GaLore takes WaveletAdam's settings: the GaLore recipe (higher lr, scale 0.25) they match.
+      spec.lr = adamw ? args.lr_adamw : args.lr_wavelet;
+      if (!adamw) spec.scale = args.scale;
       specs.push_back(spec);
     }
     lm::ensure_writable_dir(args.out);
     corpus = lm::load_corpus(args.corpus, preset.model.seq_len);
-    if (args.device == "cuda" && !torch::cuda::is_available()) throw lm::InputError("--device cuda: no CUDA device visible");
+    if (args.device == "cuda" && !torch::cuda::is_available())
+      throw lm::InputError("--device cuda: no CUDA device visible");
   } catch (const lm::InputError& e) {
     std::fprintf(stderr, "train_lm: error: %s\n", e.what());
     return 2;
   }
-  std::fprintf(stderr, "train_lm: preset %s, corpus %s (%lld documents, %zu train / %zu validation bytes), %lld steps\n",
+  std::fprintf(stderr,
+               "train_lm: preset %s, corpus %s (%lld documents, %zu train / %zu validation bytes), "
+               "%lld steps\n",
                preset.name.c_str(), corpus.source.c_str(), static_cast<long long>(corpus.documents),
                corpus.train.size(), corpus.val.size(), static_cast<long long>(preset.steps));
 
@@ -195,8 +219,9 @@ int main(int argc, char** argv) {
     runs.push_back(lm::read_summary(summary));
   }
   std::ostringstream report;
-  report << "Preset `" << preset.name << "`, " << preset.steps << " steps of " << preset.batch << " x "
-         << preset.model.seq_len << " bytes, corpus " << corpus.source << "; validation loss in nats per byte.\n\n"
+  report << "Preset `" << preset.name << "`, " << preset.steps << " steps of " << preset.batch
+         << " x " << preset.model.seq_len << " bytes, corpus " << corpus.source
+         << "; validation loss in nats per byte.\n\n"
          << lm::results_table(runs);
   std::cout << report.str();
   std::ofstream(args.out + "/results.md") << report.str();

@@ -23,11 +23,12 @@ int64_t rank_for_energy(const at::Tensor& singular_values, double energy) {
   return std::min<int64_t>(below + 1, singular_values.numel());
 }
 
-LowRankLinearImpl::LowRankLinearImpl(const at::Tensor& a_, const at::Tensor& b_, const at::Tensor& bias_,
-                                     double reconstruction_error)
+LowRankLinearImpl::LowRankLinearImpl(const at::Tensor& a_, const at::Tensor& b_,
+                                     const at::Tensor& bias_, double reconstruction_error)
     : reconstruction_error_(reconstruction_error) {
   TORCH_CHECK(a_.dim() == 2 && b_.dim() == 2 && a_.size(1) == b_.size(0),
-              "gwt::nn::LowRankLinear needs A [out, r] and B [r, in], got ", a_.sizes(), " and ", b_.sizes());
+              "gwt::nn::LowRankLinear needs A [out, r] and B [r, in], got ", a_.sizes(), " and ",
+              b_.sizes());
   a = register_parameter("a", a_.detach().clone());
   b = register_parameter("b", b_.detach().clone());
   if (bias_.defined()) bias = register_parameter("bias", bias_.detach().clone());
@@ -38,7 +39,9 @@ at::Tensor LowRankLinearImpl::forward(const at::Tensor& x) {
   return bias.defined() ? y + bias : y;
 }
 
-at::Tensor LowRankLinearImpl::weight() const { return at::matmul(a, b); }
+at::Tensor LowRankLinearImpl::weight() const {
+  return at::matmul(a, b);
+}
 
 int64_t LowRankLinearImpl::parameter_count() const {
   return a.numel() + b.numel() + (bias.defined() ? bias.numel() : 0);
@@ -52,10 +55,11 @@ LowRankLinear factorize(const torch::nn::Linear& linear, const LowRankOptions& o
   TORCH_CHECK(!linear.is_empty(), "gwt::nn::factorize: the Linear module is empty");
   const at::Tensor w = linear->weight.detach();
   const int64_t full = std::min(w.size(0), w.size(1));
-  TORCH_CHECK(options.rank >= 0 && options.rank <= full, "gwt::nn::factorize: rank must be in [0, ", full,
-              "] for a weight of shape ", w.sizes(), ", got ", options.rank);
+  TORCH_CHECK(options.rank >= 0 && options.rank <= full, "gwt::nn::factorize: rank must be in [0, ",
+              full, "] for a weight of shape ", w.sizes(), ", got ", options.rank);
   TORCH_CHECK(!options.randomized || options.rank > 0,
-              "gwt::nn::factorize: the randomized SVD needs a fixed rank (the energy rule needs every singular value)");
+              "gwt::nn::factorize: the randomized SVD needs a fixed rank (the energy rule needs "
+              "every singular value)");
   // Factor in float64 (exact to the last bit that float32 weights can hold), store in w's dtype.
   const at::Tensor w64 = w.to(at::kDouble);
   at::Tensor u, s, vh;
@@ -64,7 +68,8 @@ LowRankLinear factorize(const torch::nn::Linear& linear, const LowRankOptions& o
     const int64_t r = rank_for_energy(s, options.energy);
     u = u.narrow(1, 0, r), s = s.narrow(0, 0, r), vh = vh.narrow(0, 0, r);
   } else {
-    std::tie(u, s, vh) = truncated_svd(w64, options.rank, options.randomized, options.oversample, options.power_iters);
+    std::tie(u, s, vh) = truncated_svd(w64, options.rank, options.randomized, options.oversample,
+                                       options.power_iters);
   }
   const at::Tensor root = s.sqrt();
   const at::Tensor a = u * root.unsqueeze(0), b = root.unsqueeze(1) * vh;

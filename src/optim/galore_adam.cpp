@@ -16,7 +16,8 @@ namespace gwt {
 
 namespace {
 constexpr const char* k_who = "gwt::GaLoreAdam";
-c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key, const char* what) {
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key,
+                       const char* what) {
   return optim_detail::read_value(archive, key, what, k_who);
 }
 }  // namespace
@@ -26,8 +27,12 @@ c10::IValue read_value(torch::serialize::InputArchive& archive, const std::strin
 // ----------------------------------------------------------------------------------------------
 
 GaLoreAdamOptions::GaLoreAdamOptions(double lr) : lr_(lr) {}
-double GaLoreAdamOptions::get_lr() const { return lr(); }
-void GaLoreAdamOptions::set_lr(const double lr) { this->lr(lr); }
+double GaLoreAdamOptions::get_lr() const {
+  return lr();
+}
+void GaLoreAdamOptions::set_lr(const double lr) {
+  this->lr(lr);
+}
 
 bool operator==(const GaLoreAdamOptions& a, const GaLoreAdamOptions& b) {
   return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
@@ -56,7 +61,8 @@ void GaLoreAdamOptions::serialize(torch::serialize::OutputArchive& archive) cons
 void GaLoreAdamOptions::serialize(torch::serialize::InputArchive& archive) {
   const char* what = "saved GaLoreAdamOptions";
   lr(read_value(archive, "lr", what).toDouble());
-  betas(std::make_tuple(read_value(archive, "beta1", what).toDouble(), read_value(archive, "beta2", what).toDouble()));
+  betas(std::make_tuple(read_value(archive, "beta1", what).toDouble(),
+                        read_value(archive, "beta2", what).toDouble()));
   eps(read_value(archive, "eps", what).toDouble());
   weight_decay(read_value(archive, "weight_decay", what).toDouble());
   rank(read_value(archive, "rank", what).toInt());
@@ -81,36 +87,42 @@ void GaLoreAdamParamState::serialize(torch::serialize::OutputArchive& archive) c
 void GaLoreAdamParamState::serialize(torch::serialize::InputArchive& archive) {
   const char* what = "saved GaLoreAdamParamState";
   step(read_value(archive, "step", what).toInt());
-  auto read_tensor = [&](const char* key) {  // a fresh tensor each: read() into a defined one overwrites it
-    at::Tensor tensor;
-    TORCH_CHECK(archive.try_read(key, tensor), "gwt: ", what, " has no ", key);
-    return tensor;
-  };
+  auto read_tensor =
+      [&](const char* key) {  // a fresh tensor each: read() into a defined one overwrites it
+        at::Tensor tensor;
+        TORCH_CHECK(archive.try_read(key, tensor), "gwt: ", what, " has no ", key);
+        return tensor;
+      };
   exp_avg(read_tensor("exp_avg"));
   exp_avg_sq(read_tensor("exp_avg_sq"));
-  projector(read_value(archive, "has_projector", what).toBool() ? read_tensor("projector") : at::Tensor());
+  projector(read_value(archive, "has_projector", what).toBool() ? read_tensor("projector")
+                                                                : at::Tensor());
   right(read_value(archive, "right", what).toBool());
 }
 
 void validate_options(const GaLoreAdamOptions& o) {
   optim_detail::check_adam_options(k_who, o.lr(), o.betas(), o.eps(), o.weight_decay());
-  TORCH_CHECK(o.rank() >= 0, k_who, ": invalid rank ", o.rank(), "; it must be >= 0 (0 = dense Adam)");
+  TORCH_CHECK(o.rank() >= 0, k_who, ": invalid rank ", o.rank(),
+              "; it must be >= 0 (0 = dense Adam)");
   TORCH_CHECK(o.update_proj_gap() >= 1, k_who, ": invalid update_proj_gap ", o.update_proj_gap(),
               "; it must be >= 1");
-  TORCH_CHECK(std::isfinite(o.scale()), k_who, ": invalid scale ", o.scale(), "; it must be finite");
+  TORCH_CHECK(std::isfinite(o.scale()), k_who, ": invalid scale ", o.scale(),
+              "; it must be finite");
   const auto& p = o.proj_type();
   TORCH_CHECK(p == "std" || p == "reverse_std" || p == "left" || p == "right", k_who,
               ": unknown proj_type '", p, "'; valid values are std, reverse_std, left, right");
   TORCH_CHECK(o.svd() == "exact" || o.svd() == "randomized", k_who, ": unknown svd '", o.svd(),
               "'; valid values are exact, randomized");
   TORCH_CHECK(o.oversample() >= 0 && o.power_iters() >= 0, k_who,
-              ": oversample and power_iters must be >= 0, got ", o.oversample(), " and ", o.power_iters());
+              ": oversample and power_iters must be >= 0, got ", o.oversample(), " and ",
+              o.power_iters());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> truncated_svd(const at::Tensor& matrix, int64_t rank,
                                                              bool randomized, int64_t oversample,
                                                              int64_t power_iters, uint64_t seed) {
-  TORCH_CHECK(matrix.dim() == 2, "gwt::truncated_svd needs a 2-D matrix, got shape ", matrix.sizes());
+  TORCH_CHECK(matrix.dim() == 2, "gwt::truncated_svd needs a 2-D matrix, got shape ",
+              matrix.sizes());
   const int64_t m = matrix.size(0), n = matrix.size(1), k = std::min({rank, m, n});
   TORCH_CHECK(k >= 1, "gwt::truncated_svd: rank must be >= 1, got ", rank);
   if (!randomized) {
@@ -121,7 +133,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> truncated_svd(const at::Tensor& m
   const int64_t columns = std::min(k + oversample, std::min(m, n));
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::Tensor omega =
-      at::randn({n, columns}, generator, at::TensorOptions().dtype(matrix.scalar_type())).to(matrix.device());
+      at::randn({n, columns}, generator, at::TensorOptions().dtype(matrix.scalar_type()))
+          .to(matrix.device());
   at::Tensor q = std::get<0>(at::linalg_qr(at::matmul(matrix, omega)));
   for (int64_t i = 0; i < power_iters; ++i) {
     q = std::get<0>(at::linalg_qr(at::matmul(matrix.t(), q)));
@@ -151,39 +164,43 @@ struct Plan {
 Plan plan_for(const at::Tensor& param, const GaLoreAdamOptions& o) {
   Plan plan;
   plan.state_shape = param.sizes().vec();
-  if (param.dim() != 2 || o.rank() < 1 || o.rank() >= std::min(param.size(0), param.size(1))) return plan;
+  if (param.dim() != 2 || o.rank() < 1 || o.rank() >= std::min(param.size(0), param.size(1)))
+    return plan;
   const int64_t m = param.size(0), n = param.size(1);
   const auto& type = o.proj_type();
   plan.projected = true;
   plan.rank = o.rank();
   plan.right = type == "right" || (type == "std" && m >= n) || (type == "reverse_std" && m < n);
-  plan.state_shape = plan.right ? std::vector<int64_t>{m, o.rank()} : std::vector<int64_t>{o.rank(), n};
+  plan.state_shape =
+      plan.right ? std::vector<int64_t>{m, o.rank()} : std::vector<int64_t>{o.rank(), n};
   return plan;
 }
 
 void check_state(const GaLoreAdamParamState& state, const at::Tensor& param, const Plan& plan) {
   for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()})
-    TORCH_CHECK(t->defined() && t->sizes().vec() == plan.state_shape, k_who, ": the state of a parameter of shape ",
-                param.sizes(), " has moments of shape ", t->defined() ? t->sizes() : c10::IntArrayRef{},
-                " but its group's options need ", c10::IntArrayRef(plan.state_shape),
+    TORCH_CHECK(t->defined() && t->sizes().vec() == plan.state_shape, k_who,
+                ": the state of a parameter of shape ", param.sizes(), " has moments of shape ",
+                t->defined() ? t->sizes() : c10::IntArrayRef{}, " but its group's options need ",
+                c10::IntArrayRef(plan.state_shape),
                 " (were rank or proj_type changed after training started?)");
   if (plan.projected && state.projector().defined()) {
-    const std::vector<int64_t> expected = plan.right ? std::vector<int64_t>{plan.rank, param.size(1)}
-                                                     : std::vector<int64_t>{param.size(0), plan.rank};
+    const std::vector<int64_t> expected = plan.right
+                                              ? std::vector<int64_t>{plan.rank, param.size(1)}
+                                              : std::vector<int64_t>{param.size(0), plan.rank};
     TORCH_CHECK(state.projector().sizes().vec() == expected && state.right() == plan.right, k_who,
-                ": a saved projector of shape ", state.projector().sizes(), " does not fit a parameter of shape ",
-                param.sizes(), " at rank ", plan.rank);
+                ": a saved projector of shape ", state.projector().sizes(),
+                " does not fit a parameter of shape ", param.sizes(), " at rank ", plan.rank);
   }
 }
 
 // A new projector from an SVD of the gradient, or nullopt when the SVD fails or is not finite.
-std::optional<at::Tensor> fresh_projector(const at::Tensor& grad, const GaLoreAdamOptions& o, const Plan& plan,
-                                          int64_t iteration) {
+std::optional<at::Tensor> fresh_projector(const at::Tensor& grad, const GaLoreAdamOptions& o,
+                                          const Plan& plan, int64_t iteration) {
   // float32 SVD even for bfloat16/float16 gradients (float64 stays float64).
   const at::Tensor g = grad.to(optim_detail::compute_dtype(grad));
   try {
-    const auto [u, s, vh] = truncated_svd(g, plan.rank, o.svd() == "randomized", o.oversample(), o.power_iters(),
-                                          static_cast<uint64_t>(iteration));
+    const auto [u, s, vh] = truncated_svd(g, plan.rank, o.svd() == "randomized", o.oversample(),
+                                          o.power_iters(), static_cast<uint64_t>(iteration));
     at::Tensor projector = plan.right ? vh.contiguous() : u.contiguous();
     if (!at::isfinite(projector).all().item<bool>()) return std::nullopt;
     return projector;
@@ -195,12 +212,14 @@ std::optional<at::Tensor> fresh_projector(const at::Tensor& grad, const GaLoreAd
 // The first r coordinate vectors: the projector of last resort, when the very first SVD fails.
 at::Tensor coordinate_projector(const at::Tensor& param, const Plan& plan, at::ScalarType dtype) {
   const auto options = param.options().dtype(dtype);
-  return plan.right ? at::eye(plan.rank, param.size(1), options) : at::eye(param.size(0), plan.rank, options);
+  return plan.right ? at::eye(plan.rank, param.size(1), options)
+                    : at::eye(param.size(0), plan.rank, options);
 }
 
 }  // namespace
 
-GaLoreAdam::GaLoreAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups, GaLoreAdamOptions defaults)
+GaLoreAdam::GaLoreAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                       GaLoreAdamOptions defaults)
     : Optimizer(param_groups, std::make_unique<GaLoreAdamOptions>(defaults)) {
   validate_options(defaults);
   std::unordered_set<const void*> seen;
@@ -215,7 +234,8 @@ GaLoreAdam::GaLoreAdam(std::vector<torch::optim::OptimizerParamGroup> param_grou
     validate_options(options_of(this->param_groups()[i]));
     for (const auto& param : this->param_groups()[i].params()) {
       optim_detail::check_param(k_who, param);
-      TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, k_who, ": a parameter of shape ", param.sizes(),
+      TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, k_who, ": a parameter of shape ",
+                  param.sizes(),
                   " appears more than once (each parameter may be in one group once)");
     }
   }
@@ -254,7 +274,8 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
       optim_detail::check_grad(k_who, param, param.grad());
       Plan plan = plan_for(param, options);
       auto it = state_.find(param.unsafeGetTensorImpl());
-      if (it != state_.end()) check_state(static_cast<const GaLoreAdamParamState&>(*it->second), param, plan);
+      if (it != state_.end())
+        check_state(static_cast<const GaLoreAdamParamState&>(*it->second), param, plan);
       work.push_back({param, &options, std::move(plan)});
       grads.push_back(param.grad());
     }
@@ -279,7 +300,8 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
     auto& state = static_cast<GaLoreAdamParamState&>(*slot);
     const int64_t iteration = state.step();  // GaLore refreshes at iterations 0, gap, 2 gap, ...
     state.step(iteration + 1);
-    const double step_size = optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), state.step());
+    const double step_size =
+        optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), state.step());
     const auto [beta1, beta2] = o.betas();
     at::Tensor param = w.param.scalar_type() == dtype ? w.param : w.param.to(dtype);
     const at::Tensor grad = w.param.grad().to(dtype);
@@ -294,7 +316,8 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
           state.projector(fresh->to(dtype));
         } else {
           ++svd_fallbacks_;
-          if (!state.projector().defined()) state.projector(coordinate_projector(w.param, w.plan, dtype));
+          if (!state.projector().defined())
+            state.projector(coordinate_projector(w.param, w.plan, dtype));
         }
         state.right(w.plan.right);
       }
@@ -320,8 +343,12 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
 
 namespace {
 constexpr const char* k_format = "gwt.GaLoreAdam.v1";
-std::string group_key(size_t i) { return "group_" + std::to_string(i); }
-std::string param_key(size_t j) { return "param_" + std::to_string(j); }
+std::string group_key(size_t i) {
+  return "group_" + std::to_string(i);
+}
+std::string param_key(size_t j) {
+  return "param_" + std::to_string(j);
+}
 }  // namespace
 
 void GaLoreAdam::save(torch::serialize::OutputArchive& archive) const {
@@ -351,12 +378,14 @@ void GaLoreAdam::save(torch::serialize::OutputArchive& archive) const {
 
 void GaLoreAdam::load(torch::serialize::InputArchive& archive) {
   c10::IValue value;
-  TORCH_CHECK(archive.try_read("format", value) && value.isString() && value.toStringRef() == k_format, k_who,
-              "::load: not a ", k_format, " checkpoint (was it saved by another optimizer?)");
+  TORCH_CHECK(
+      archive.try_read("format", value) && value.isString() && value.toStringRef() == k_format,
+      k_who, "::load: not a ", k_format, " checkpoint (was it saved by another optimizer?)");
   const char* what = "GaLoreAdam checkpoint";
   const int64_t num_groups = read_value(archive, "num_groups", what).toInt();
-  TORCH_CHECK(num_groups == static_cast<int64_t>(param_groups().size()), k_who, "::load: the checkpoint has ",
-              num_groups, " parameter groups but this optimizer has ", param_groups().size());
+  TORCH_CHECK(num_groups == static_cast<int64_t>(param_groups().size()), k_who,
+              "::load: the checkpoint has ", num_groups,
+              " parameter groups but this optimizer has ", param_groups().size());
   const int64_t skipped = read_value(archive, "skipped_steps", what).toInt();
   const int64_t fallbacks = read_value(archive, "svd_fallbacks", what).toInt();
   std::vector<GaLoreAdamOptions> loaded_options;
@@ -364,19 +393,24 @@ void GaLoreAdam::load(torch::serialize::InputArchive& archive) {
   for (const auto i : c10::irange(param_groups().size())) {
     const auto& group = param_groups()[i];
     torch::serialize::InputArchive group_archive, options_archive;
-    TORCH_CHECK(archive.try_read(group_key(i), group_archive), k_who, "::load: group ", i, " is missing");
-    TORCH_CHECK(group_archive.try_read("options", options_archive), k_who, "::load: group ", i, " has no options");
+    TORCH_CHECK(archive.try_read(group_key(i), group_archive), k_who, "::load: group ", i,
+                " is missing");
+    TORCH_CHECK(group_archive.try_read("options", options_archive), k_who, "::load: group ", i,
+                " has no options");
     GaLoreAdamOptions options;
     options.serialize(options_archive);
     validate_options(options);
     const int64_t num_params = read_value(group_archive, "num_params", what).toInt();
-    TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()), k_who, "::load: group ", i, " has ",
-                num_params, " parameters in the checkpoint but ", group.params().size(), " here");
+    TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()), k_who, "::load: group ",
+                i, " has ", num_params, " parameters in the checkpoint but ", group.params().size(),
+                " here");
     for (const auto j : c10::irange(group.params().size())) {
       const at::Tensor& param = group.params()[j];
-      const auto saved_shape = read_value(group_archive, param_key(j) + "_shape", what).toIntVector();
-      TORCH_CHECK(saved_shape == param.sizes().vec(), k_who, "::load: parameter ", j, " of group ", i,
-                  " had shape ", c10::IntArrayRef(saved_shape), " when saved but has shape ", param.sizes(), " here");
+      const auto saved_shape =
+          read_value(group_archive, param_key(j) + "_shape", what).toIntVector();
+      TORCH_CHECK(saved_shape == param.sizes().vec(), k_who, "::load: parameter ", j, " of group ",
+                  i, " had shape ", c10::IntArrayRef(saved_shape), " when saved but has shape ",
+                  param.sizes(), " here");
       torch::serialize::InputArchive state_archive;
       if (!group_archive.try_read(param_key(j), state_archive)) continue;
       auto state = std::make_unique<GaLoreAdamParamState>();
@@ -385,7 +419,8 @@ void GaLoreAdam::load(torch::serialize::InputArchive& archive) {
       const auto target = param.options().dtype(optim_detail::compute_dtype(param));
       state->exp_avg(state->exp_avg().to(target).contiguous());
       state->exp_avg_sq(state->exp_avg_sq().to(target).contiguous());
-      if (state->projector().defined()) state->projector(state->projector().to(target).contiguous());
+      if (state->projector().defined())
+        state->projector(state->projector().to(target).contiguous());
       loaded_state.emplace_back(param.unsafeGetTensorImpl(), std::move(state));
     }
     loaded_options.push_back(options);
@@ -419,7 +454,8 @@ bool GaLoreAdam::is_projected_param(const at::Tensor& param) const {
   for (const auto& group : param_groups())
     for (const auto& p : group.params())
       if (p.is_same(param)) return plan_for(param, options_of(group)).projected;
-  TORCH_CHECK(false, k_who, "::is_projected_param: the tensor is not a parameter of this optimizer");
+  TORCH_CHECK(false, k_who,
+              "::is_projected_param: the tensor is not a parameter of this optimizer");
 }
 
 }  // namespace gwt

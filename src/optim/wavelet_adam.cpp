@@ -40,7 +40,8 @@ bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs) {
 }
 
 namespace {
-c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key, const char* what) {
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key,
+                       const char* what) {
   return optim_detail::read_value(archive, key, what, "gwt::WaveletAdam");
 }
 }  // namespace
@@ -113,7 +114,8 @@ bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& r
 
 void validate_options(const WaveletAdamOptions& o) {
   auto finite = [](double x) { return std::isfinite(x); };
-  optim_detail::check_adam_options("gwt::WaveletAdam", o.lr(), o.betas(), o.eps(), o.weight_decay());
+  optim_detail::check_adam_options("gwt::WaveletAdam", o.lr(), o.betas(), o.eps(),
+                                   o.weight_decay());
   TORCH_CHECK(o.level() >= 0 && o.level() <= 30, "gwt::WaveletAdam: invalid level ", o.level(),
               "; it must be in [0, 30] (0 = dense Adam)");
   TORCH_CHECK(finite(o.scale()), "gwt::WaveletAdam: invalid scale ", o.scale(),
@@ -143,7 +145,9 @@ at::ScalarType state_dtype(const at::Tensor& param, const WaveletAdamOptions& o)
   return o.state_dtype() == "bfloat16" ? at::kBFloat16 : compute_dtype(param);
 }
 
-void check_param(const at::Tensor& param) { optim_detail::check_param("gwt::WaveletAdam", param); }
+void check_param(const at::Tensor& param) {
+  optim_detail::check_param("gwt::WaveletAdam", param);
+}
 
 struct Plan {
   bool wavelet = false;

@@ -18,7 +18,8 @@ namespace nn {
 struct LowRankOptions {
   /// A fixed rank (> 0), or 0 to use `energy`.
   int64_t rank = 0;
-  /// With rank == 0: the smallest rank whose singular values keep this share of sum(s_i^2), in (0, 1].
+  /// With rank == 0: the smallest rank whose singular values keep this share of sum(s_i^2), in (0,
+  /// 1].
   double energy = 0.99;
   /// Randomized SVD (range finder) instead of the exact one; needs rank > 0.
   bool randomized = false;
@@ -33,7 +34,8 @@ int64_t rank_for_energy(const at::Tensor& singular_values, double energy);
 class LowRankLinearImpl : public torch::nn::Module {
  public:
   /// Factors of a trained layer (see factorize()).
-  LowRankLinearImpl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, double reconstruction_error);
+  LowRankLinearImpl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                    double reconstruction_error);
 
   at::Tensor forward(const at::Tensor& x);
   /// A B, the dense weight this layer stands for.

@@ -49,12 +49,14 @@ struct GaLoreAdamOptions : public torch::optim::OptimizerCloneableOptions<GaLore
 
 /// Per-parameter state: moments of the projected gradient R, and the projector (right: Vr^T rows,
 /// [r, n]; left: Ur, [m, r]).
-struct GaLoreAdamParamState : public torch::optim::OptimizerCloneableParamState<GaLoreAdamParamState> {
+struct GaLoreAdamParamState
+    : public torch::optim::OptimizerCloneableParamState<GaLoreAdamParamState> {
   TORCH_ARG(int64_t, step) = 0;
   TORCH_ARG(at::Tensor, exp_avg);
   TORCH_ARG(at::Tensor, exp_avg_sq);
   TORCH_ARG(at::Tensor, projector);
-  /// True when the projector multiplies from the right (R = G P^T), false from the left (R = P^T G).
+  /// True when the projector multiplies from the right (R = G P^T), false from the left (R = P^T
+  /// G).
   TORCH_ARG(bool, right) = true;
 
  public:
@@ -96,7 +98,9 @@ void validate_options(const GaLoreAdamOptions& options);
 /// (at::linalg_svd) or by a randomized range finder (oversample extra columns, power_iters
 /// subspace iterations, generator seeded with `seed`).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> truncated_svd(const at::Tensor& matrix, int64_t rank,
-                                                             bool randomized, int64_t oversample = 8,
-                                                             int64_t power_iters = 2, uint64_t seed = 0);
+                                                             bool randomized,
+                                                             int64_t oversample = 8,
+                                                             int64_t power_iters = 2,
+                                                             uint64_t seed = 0);
 
 }  // namespace gwt
