@@ -10,6 +10,7 @@
 #include <memory>
 #include <unordered_set>
 
+#include "checkpoint.h"
 #include "common.h"
 
 namespace gwt {
@@ -343,94 +344,26 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
 
 namespace {
 constexpr const char* k_format = "gwt.GaLoreAdam.v1";
-std::string group_key(size_t i) {
-  return "group_" + std::to_string(i);
-}
-std::string param_key(size_t j) {
-  return "param_" + std::to_string(j);
-}
 }  // namespace
 
 void GaLoreAdam::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("format", c10::IValue(std::string(k_format)));
-  archive.write("num_groups", c10::IValue(static_cast<int64_t>(param_groups().size())));
-  archive.write("skipped_steps", c10::IValue(skipped_steps_));
-  archive.write("svd_fallbacks", c10::IValue(svd_fallbacks_));
-  for (const auto i : c10::irange(param_groups().size())) {
-    const auto& group = param_groups()[i];
-    torch::serialize::OutputArchive group_archive(archive.compilation_unit());
-    torch::serialize::OutputArchive options_archive(archive.compilation_unit());
-    options_of(group).serialize(options_archive);
-    group_archive.write("options", options_archive);
-    group_archive.write("num_params", c10::IValue(static_cast<int64_t>(group.params().size())));
-    for (const auto j : c10::irange(group.params().size())) {
-      const at::Tensor& param = group.params()[j];
-      group_archive.write(param_key(j) + "_shape", c10::IValue(param.sizes().vec()));
-      auto it = state_.find(param.unsafeGetTensorImpl());
-      if (it == state_.end()) continue;
-      torch::serialize::OutputArchive state_archive(archive.compilation_unit());
-      static_cast<const GaLoreAdamParamState&>(*it->second).serialize(state_archive);
-      group_archive.write(param_key(j), state_archive);
-    }
-    archive.write(group_key(i), group_archive);
-  }
+  optim_detail::save_checkpoint<GaLoreAdamOptions, GaLoreAdamParamState>(
+      *this, archive, k_format,
+      {{"skipped_steps", skipped_steps_}, {"svd_fallbacks", svd_fallbacks_}});
 }
 
 void GaLoreAdam::load(torch::serialize::InputArchive& archive) {
-  c10::IValue value;
-  TORCH_CHECK(
-      archive.try_read("format", value) && value.isString() && value.toStringRef() == k_format,
-      k_who, "::load: not a ", k_format, " checkpoint (was it saved by another optimizer?)");
-  const char* what = "GaLoreAdam checkpoint";
-  const int64_t num_groups = read_value(archive, "num_groups", what).toInt();
-  TORCH_CHECK(num_groups == static_cast<int64_t>(param_groups().size()), k_who,
-              "::load: the checkpoint has ", num_groups,
-              " parameter groups but this optimizer has ", param_groups().size());
-  const int64_t skipped = read_value(archive, "skipped_steps", what).toInt();
-  const int64_t fallbacks = read_value(archive, "svd_fallbacks", what).toInt();
-  std::vector<GaLoreAdamOptions> loaded_options;
-  std::vector<std::pair<void*, std::unique_ptr<GaLoreAdamParamState>>> loaded_state;
-  for (const auto i : c10::irange(param_groups().size())) {
-    const auto& group = param_groups()[i];
-    torch::serialize::InputArchive group_archive, options_archive;
-    TORCH_CHECK(archive.try_read(group_key(i), group_archive), k_who, "::load: group ", i,
-                " is missing");
-    TORCH_CHECK(group_archive.try_read("options", options_archive), k_who, "::load: group ", i,
-                " has no options");
-    GaLoreAdamOptions options;
-    options.serialize(options_archive);
-    validate_options(options);
-    const int64_t num_params = read_value(group_archive, "num_params", what).toInt();
-    TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()), k_who, "::load: group ",
-                i, " has ", num_params, " parameters in the checkpoint but ", group.params().size(),
-                " here");
-    for (const auto j : c10::irange(group.params().size())) {
-      const at::Tensor& param = group.params()[j];
-      const auto saved_shape =
-          read_value(group_archive, param_key(j) + "_shape", what).toIntVector();
-      TORCH_CHECK(saved_shape == param.sizes().vec(), k_who, "::load: parameter ", j, " of group ",
-                  i, " had shape ", c10::IntArrayRef(saved_shape), " when saved but has shape ",
-                  param.sizes(), " here");
-      torch::serialize::InputArchive state_archive;
-      if (!group_archive.try_read(param_key(j), state_archive)) continue;
-      auto state = std::make_unique<GaLoreAdamParamState>();
-      state->serialize(state_archive);
-      check_state(*state, param, plan_for(param, options));
-      const auto target = param.options().dtype(optim_detail::compute_dtype(param));
-      state->exp_avg(state->exp_avg().to(target).contiguous());
-      state->exp_avg_sq(state->exp_avg_sq().to(target).contiguous());
-      if (state->projector().defined())
-        state->projector(state->projector().to(target).contiguous());
-      loaded_state.emplace_back(param.unsafeGetTensorImpl(), std::move(state));
-    }
-    loaded_options.push_back(options);
-  }
-  for (const auto i : c10::irange(param_groups().size()))
-    param_groups()[i].set_options(std::make_unique<GaLoreAdamOptions>(loaded_options[i]));
-  state_.clear();
-  for (auto& [key, state] : loaded_state) state_[key] = std::move(state);
-  skipped_steps_ = skipped;
-  svd_fallbacks_ = fallbacks;
+  const auto counters = optim_detail::load_checkpoint<GaLoreAdamOptions, GaLoreAdamParamState>(
+      *this, archive, k_format, {"skipped_steps", "svd_fallbacks"}, k_who,
+      [](GaLoreAdamParamState& state, const at::Tensor& param, const GaLoreAdamOptions& options) {
+        check_state(state, param, plan_for(param, options));
+        const auto target = param.options().dtype(optim_detail::compute_dtype(param));
+        state.exp_avg(state.exp_avg().to(target).contiguous());
+        state.exp_avg_sq(state.exp_avg_sq().to(target).contiguous());
+        if (state.projector().defined()) state.projector(state.projector().to(target).contiguous());
+      });
+  skipped_steps_ = counters.at("skipped_steps");
+  svd_fallbacks_ = counters.at("svd_fallbacks");
 }
 
 int64_t GaLoreAdam::state_bytes(const at::Tensor& param) const {

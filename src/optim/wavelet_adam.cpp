@@ -10,6 +10,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "checkpoint.h"
 #include "common.h"
 #include "gwt/kernels.h"
 #include "gwt/transform.h"
@@ -533,98 +534,25 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
 
 namespace {
 constexpr const char* k_format = "gwt.WaveletAdam.v1";
-std::string group_key(size_t i) {
-  return "group_" + std::to_string(i);
-}
-std::string param_key(size_t j) {
-  return "param_" + std::to_string(j);
-}
 }  // namespace
 
 void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("format", c10::IValue(std::string(k_format)));
-  archive.write("num_groups", c10::IValue(static_cast<int64_t>(param_groups().size())));
-  archive.write("skipped_steps", c10::IValue(skipped_steps_));
-  for (const auto i : c10::irange(param_groups().size())) {
-    const auto& group = param_groups()[i];
-    torch::serialize::OutputArchive group_archive(archive.compilation_unit());
-    torch::serialize::OutputArchive options_archive(archive.compilation_unit());
-    options_of(group).serialize(options_archive);
-    group_archive.write("options", options_archive);
-    group_archive.write("num_params", c10::IValue(static_cast<int64_t>(group.params().size())));
-    for (const auto j : c10::irange(group.params().size())) {
-      const at::Tensor& param = group.params()[j];
-      group_archive.write(param_key(j) + "_shape", c10::IValue(param.sizes().vec()));
-      auto it = state_.find(param.unsafeGetTensorImpl());
-      if (it == state_.end()) continue;
-      torch::serialize::OutputArchive state_archive(archive.compilation_unit());
-      static_cast<const WaveletAdamParamState&>(*it->second).serialize(state_archive);
-      group_archive.write(param_key(j), state_archive);
-    }
-    archive.write(group_key(i), group_archive);
-  }
+  optim_detail::save_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
+      *this, archive, k_format, {{"skipped_steps", skipped_steps_}});
 }
 
 void WaveletAdam::load(torch::serialize::InputArchive& archive) {
-  c10::IValue value;
-  TORCH_CHECK(
-      archive.try_read("format", value) && value.isString() && value.toStringRef() == k_format,
-      "gwt::WaveletAdam::load: not a ", k_format,
-      " checkpoint (was it saved by another optimizer?)");
-  const int64_t num_groups = read_value(archive, "num_groups", "WaveletAdam checkpoint").toInt();
-  TORCH_CHECK(num_groups == static_cast<int64_t>(param_groups().size()),
-              "gwt::WaveletAdam::load: the checkpoint has ", num_groups,
-              " parameter groups but this optimizer has ", param_groups().size());
-  const int64_t skipped = read_value(archive, "skipped_steps", "WaveletAdam checkpoint").toInt();
-
-  std::vector<WaveletAdamOptions> loaded_options;
-  std::vector<std::pair<void*, std::unique_ptr<WaveletAdamParamState>>> loaded_state;
-  for (const auto i : c10::irange(param_groups().size())) {
-    const auto& group = param_groups()[i];
-    torch::serialize::InputArchive group_archive;
-    TORCH_CHECK(archive.try_read(group_key(i), group_archive), "gwt::WaveletAdam::load: group ", i,
-                " is missing from the checkpoint");
-    torch::serialize::InputArchive options_archive;
-    TORCH_CHECK(group_archive.try_read("options", options_archive),
-                "gwt::WaveletAdam::load: group ", i, " has no options in the checkpoint");
-    WaveletAdamOptions options;
-    options.serialize(options_archive);
-    validate_options(options);
-    const int64_t num_params =
-        read_value(group_archive, "num_params", "WaveletAdam checkpoint").toInt();
-    TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()),
-                "gwt::WaveletAdam::load: group ", i, " has ", num_params,
-                " parameters in the checkpoint but ", group.params().size(), " here");
-    for (const auto j : c10::irange(group.params().size())) {
-      const at::Tensor& param = group.params()[j];
-      const auto saved_shape =
-          read_value(group_archive, param_key(j) + "_shape", "WaveletAdam checkpoint")
-              .toIntVector();
-      TORCH_CHECK(saved_shape == param.sizes().vec(), "gwt::WaveletAdam::load: parameter ", j,
-                  " of group ", i, " had shape ", c10::IntArrayRef(saved_shape),
-                  " when saved but has shape ", param.sizes(), " here");
-      torch::serialize::InputArchive state_archive;
-      if (!group_archive.try_read(param_key(j), state_archive)) continue;
-      auto state = std::make_unique<WaveletAdamParamState>();
-      state->serialize(state_archive);
-      const Plan plan = plan_for(param, options);
-      check_state(*state, param, plan);
-      const auto moments = param.options().dtype(state_dtype(param, options));
-      state->exp_avg(state->exp_avg().to(moments).contiguous());
-      state->exp_avg_sq(state->exp_avg_sq().to(moments).contiguous());
-      if (state->norm().defined())
-        state->norm(state->norm().to(param.options().dtype(compute_dtype(param))).reshape({}));
-      loaded_state.emplace_back(param.unsafeGetTensorImpl(), std::move(state));
-    }
-    loaded_options.push_back(options);
-  }
-
-  // Everything checked: commit.
-  for (const auto i : c10::irange(param_groups().size()))
-    param_groups()[i].set_options(std::make_unique<WaveletAdamOptions>(loaded_options[i]));
-  state_.clear();
-  for (auto& [key, state] : loaded_state) state_[key] = std::move(state);
-  skipped_steps_ = skipped;
+  const auto counters = optim_detail::load_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
+      *this, archive, k_format, {"skipped_steps"}, "gwt::WaveletAdam",
+      [](WaveletAdamParamState& state, const at::Tensor& param, const WaveletAdamOptions& options) {
+        check_state(state, param, plan_for(param, options));
+        const auto moments = param.options().dtype(state_dtype(param, options));
+        state.exp_avg(state.exp_avg().to(moments).contiguous());
+        state.exp_avg_sq(state.exp_avg_sq().to(moments).contiguous());
+        if (state.norm().defined())
+          state.norm(state.norm().to(param.options().dtype(compute_dtype(param))).reshape({}));
+      });
+  skipped_steps_ = counters.at("skipped_steps");
 }
 
 // ----------------------------------------------------------------------------------------------
