@@ -16,30 +16,11 @@
 #include <vector>
 
 #include "gwt/gwt.h"
+#include "workloads.h"
 
 namespace {
 
-std::vector<at::Tensor> make_workload(int which) {
-  at::manual_seed(0);
-  std::vector<std::vector<int64_t>> shapes;
-  if (which == 0) {
-    for (int layer = 0; layer < 8; ++layer) {
-      for (int i = 0; i < 4; ++i) shapes.push_back({512, 512});
-      shapes.push_back({1376, 512});
-      shapes.push_back({1376, 512});
-      shapes.push_back({512, 1376});
-    }
-  } else {
-    shapes.push_back({4096, 4096});
-  }
-  std::vector<at::Tensor> params;
-  for (const auto& s : shapes) {
-    at::Tensor p = at::randn(s).mul_(0.02).requires_grad_(true);
-    p.mutable_grad() = at::randn(s).mul_(1e-3);
-    params.push_back(p);
-  }
-  return params;
-}
+using gwt_bench::make_workload;
 
 int64_t numel(const std::vector<at::Tensor>& params) {
   int64_t n = 0;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gwt/gwt.h"
+#include "workloads.h"
 #include "gwt/kernels.h"
 
 namespace {
@@ -94,27 +95,7 @@ struct Row {
   double ms, bytes_per_param, params;
 };
 
-std::vector<at::Tensor> workload(int which) {
-  at::manual_seed(0);
-  std::vector<std::vector<int64_t>> shapes;
-  if (which == 0) {
-    for (int layer = 0; layer < 8; ++layer) {
-      for (int i = 0; i < 4; ++i) shapes.push_back({512, 512});
-      shapes.push_back({1376, 512});
-      shapes.push_back({1376, 512});
-      shapes.push_back({512, 1376});
-    }
-  } else {
-    shapes.push_back({4096, 4096});
-  }
-  std::vector<at::Tensor> params;
-  for (const auto& s : shapes) {
-    at::Tensor p = (at::randn(s) * 0.02).to(g_device).requires_grad_(true);
-    p.mutable_grad() = (at::randn(s) * 1e-3).to(g_device);
-    params.push_back(p);
-  }
-  return params;
-}
+std::vector<at::Tensor> workload(int which) { return gwt_bench::make_workload(which, g_device); }
 
 double time_ms(const std::function<void()>& fn, int steps) {
   for (int i = 0; i < 3; ++i) fn();
