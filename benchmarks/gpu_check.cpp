@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "gwt/gwt.h"
-#include "workloads.h"
 #include "gwt/kernels.h"
+#include "workloads.h"
 
 namespace {
 
@@ -95,7 +95,9 @@ struct Row {
   double ms, bytes_per_param, params;
 };
 
-std::vector<at::Tensor> workload(int which) { return gwt_bench::make_workload(which, g_device); }
+std::vector<at::Tensor> workload(int which) {
+  return gwt_bench::make_workload(which, g_device);
+}
 
 double time_ms(const std::function<void()>& fn, int steps) {
   for (int i = 0; i < 3; ++i) fn();

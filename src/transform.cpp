@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 namespace gwt {
@@ -229,6 +230,68 @@ at::Tensor waverec(const WaveletCoeffs& coeffs, const Wavelet& wavelet, int64_t 
     rows = rows.narrow(1, 0, *length);
   }
   return from_rows(rows.contiguous(), approx, dim);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 2-D (separable) and thresholding
+// ----------------------------------------------------------------------------------------------
+
+WaveletCoeffs2 wavedec2(const at::Tensor& x, const Wavelet& wavelet, int64_t level,
+                        BoundaryMode mode) {
+  TORCH_CHECK(x.defined() && x.dim() >= 2,
+              "gwt: wavedec2 needs a tensor with at least two dimensions");
+  TORCH_CHECK(level >= 0, "gwt: wavedec2 level must be >= 0, got ", level);
+  WaveletCoeffs2 out;
+  at::Tensor approx = x;
+  std::vector<std::array<at::Tensor, 3>> finest_first;
+  for (int64_t l = 0; l < level; ++l) {
+    // pywt.dwtn: along rows first, then each result along columns; keys 'aa', 'ad', 'da', 'dd'.
+    const auto [rows_a, rows_d] = dwt(approx, wavelet, -2, mode);
+    const auto [aa, ad] = dwt(rows_a, wavelet, -1, mode);
+    const auto [da, dd] = dwt(rows_d, wavelet, -1, mode);
+    finest_first.push_back({da, ad, dd});  // (cH, cV, cD)
+    approx = aa;
+  }
+  out.approx = approx;
+  out.details.assign(finest_first.rbegin(), finest_first.rend());
+  return out;
+}
+
+at::Tensor waverec2(const WaveletCoeffs2& coeffs, const Wavelet& wavelet, BoundaryMode mode) {
+  TORCH_CHECK(coeffs.approx.defined() && coeffs.approx.dim() >= 2,
+              "gwt: waverec2 needs an approximation with at least two dimensions");
+  at::Tensor a = coeffs.approx;
+  for (size_t k = 0; k < coeffs.details.size(); ++k) {
+    const auto& [h, v, d] = coeffs.details[k];
+    TORCH_CHECK(h.defined() && v.defined() && d.defined() && h.sizes() == v.sizes() &&
+                    h.sizes() == d.sizes(),
+                "gwt: waverec2 needs the three detail subbands of level ", k,
+                " (coarsest first) to share one shape");
+    // PyWavelets: a partial reconstruction one longer than the details loses its last row/column.
+    for (int64_t dim : {-2, -1}) {
+      const int64_t a_len = a.size(dim), d_len = h.size(dim);
+      if (a_len == d_len + 1) a = a.narrow(dim, 0, d_len);
+      TORCH_CHECK(a.size(dim) == d_len, "gwt: waverec2 coefficient shapes do not fit at level ", k,
+                  ": approximation ", a.sizes(), " against details ", h.sizes());
+    }
+    // pywt.idwtn: columns first ('aa'+'ad' -> 'a', 'da'+'dd' -> 'd'), then rows.
+    const at::Tensor low = idwt(a, v, wavelet, -1, mode), high = idwt(h, d, wavelet, -1, mode);
+    a = idwt(low, high, wavelet, -2, mode);
+  }
+  return a;
+}
+
+at::Tensor threshold(const at::Tensor& x, double value, const std::string& mode) {
+  TORCH_CHECK(std::isfinite(value) && value >= 0,
+              "gwt: threshold value must be finite and >= 0, got ", value);
+  check_transform_input(x);
+  if (mode == "hard") return at::where(x.abs() < value, at::zeros_like(x), x);
+  TORCH_CHECK(mode == "soft", "gwt: unknown threshold mode '", mode,
+              "'; valid modes are soft, hard");
+  // PyWavelets' formula, x * max(1 - value / |x|, 0), with 0 kept 0 where |x| = 0.
+  const at::Tensor magnitude = x.abs();
+  const at::Tensor factor = at::clamp_min(1 - value / magnitude, 0);
+  return at::where(magnitude == 0, at::zeros_like(x), x * factor);
 }
 
 }  // namespace gwt

@@ -9,8 +9,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "gwt/wavelet.h"
@@ -48,6 +50,29 @@ WaveletCoeffs wavedec(const at::Tensor& x, const Wavelet& wavelet, int64_t level
 at::Tensor waverec(const WaveletCoeffs& coeffs, const Wavelet& wavelet, int64_t dim = -1,
                    BoundaryMode mode = BoundaryMode::zero,
                    std::optional<int64_t> length = std::nullopt);
+
+/// Result of wavedec2: the coarsest approximation (LL) and, coarsest level first, the three detail
+/// subbands of each level in PyWavelets' order (cH, cV, cD): detail along rows / approximation
+/// along columns, approximation along rows / detail along columns, detail along both.
+struct WaveletCoeffs2 {
+  at::Tensor approx;
+  std::vector<std::array<at::Tensor, 3>> details;
+};
+
+/// PyWavelets' `pywt.wavedec2(x, wavelet, mode, level)` over the last two dimensions (the others
+/// are batch dimensions): a separable multilevel 2-D DWT, rows (dim -2) then columns (dim -1).
+WaveletCoeffs2 wavedec2(const at::Tensor& x, const Wavelet& wavelet, int64_t level,
+                        BoundaryMode mode = BoundaryMode::zero);
+
+/// PyWavelets' `pywt.waverec2(coeffs, wavelet, mode)`: per level the partial reconstruction loses
+/// a trailing row / column where it is one longer than the details, then columns, then rows.
+at::Tensor waverec2(const WaveletCoeffs2& coeffs, const Wavelet& wavelet,
+                    BoundaryMode mode = BoundaryMode::zero);
+
+/// PyWavelets' `pywt.threshold(x, value, mode)` for mode "soft" (x * max(1 - value / |x|, 0)) or
+/// "hard" (0 where |x| < value, x elsewhere). One deliberate difference: soft thresholding at
+/// value 0 keeps a zero as 0, where PyWavelets computes 0 * (1 - 0/0) = NaN.
+at::Tensor threshold(const at::Tensor& x, double value, const std::string& mode = "soft");
 
 namespace detail {
 /// dtype the transform computes in for an input dtype (float64 stays, everything else float32);

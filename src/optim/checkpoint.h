@@ -21,12 +21,17 @@
 namespace gwt {
 namespace optim_detail {
 
-inline std::string group_key(size_t i) { return "group_" + std::to_string(i); }
-inline std::string param_key(size_t j) { return "param_" + std::to_string(j); }
+inline std::string group_key(size_t i) {
+  return "group_" + std::to_string(i);
+}
+inline std::string param_key(size_t j) {
+  return "param_" + std::to_string(j);
+}
 
 template <typename Options, typename State>
-void save_checkpoint(const torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive,
-                     const std::string& format, const std::map<std::string, int64_t>& counters) {
+void save_checkpoint(const torch::optim::Optimizer& optimizer,
+                     torch::serialize::OutputArchive& archive, const std::string& format,
+                     const std::map<std::string, int64_t>& counters) {
   archive.write("format", c10::IValue(format));
   archive.write("num_groups", c10::IValue(static_cast<int64_t>(optimizer.param_groups().size())));
   for (const auto& [name, value] : counters) archive.write(name, c10::IValue(value));
@@ -55,19 +60,22 @@ void save_checkpoint(const torch::optim::Optimizer& optimizer, torch::serialize:
 /// if it does not fit) and moves it to the parameter's device and dtypes. Returns the counters.
 template <typename Options, typename State, typename Prepare>
 std::map<std::string, int64_t> load_checkpoint(torch::optim::Optimizer& optimizer,
-                                               torch::serialize::InputArchive& archive, const std::string& format,
-                                               const std::vector<std::string>& counters, const char* who,
-                                               Prepare&& prepare) {
+                                               torch::serialize::InputArchive& archive,
+                                               const std::string& format,
+                                               const std::vector<std::string>& counters,
+                                               const char* who, Prepare&& prepare) {
   const char* what = "checkpoint";
   c10::IValue value;
-  TORCH_CHECK(archive.try_read("format", value) && value.isString() && value.toStringRef() == format, who,
-              "::load: not a ", format, " checkpoint (was it saved by another optimizer?)");
+  TORCH_CHECK(
+      archive.try_read("format", value) && value.isString() && value.toStringRef() == format, who,
+      "::load: not a ", format, " checkpoint (was it saved by another optimizer?)");
   auto& groups = optimizer.param_groups();
   const int64_t num_groups = read_value(archive, "num_groups", what, who).toInt();
-  TORCH_CHECK(num_groups == static_cast<int64_t>(groups.size()), who, "::load: the checkpoint has ", num_groups,
-              " parameter groups but this optimizer has ", groups.size());
+  TORCH_CHECK(num_groups == static_cast<int64_t>(groups.size()), who, "::load: the checkpoint has ",
+              num_groups, " parameter groups but this optimizer has ", groups.size());
   std::map<std::string, int64_t> loaded_counters;
-  for (const auto& name : counters) loaded_counters[name] = read_value(archive, name, what, who).toInt();
+  for (const auto& name : counters)
+    loaded_counters[name] = read_value(archive, name, what, who).toInt();
 
   std::vector<Options> loaded_options;
   std::vector<std::pair<void*, std::unique_ptr<State>>> loaded_state;
@@ -82,13 +90,16 @@ std::map<std::string, int64_t> load_checkpoint(torch::optim::Optimizer& optimize
     options.serialize(options_archive);
     validate_options(options);
     const int64_t num_params = read_value(group_archive, "num_params", what, who).toInt();
-    TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()), who, "::load: group ", i, " has ",
-                num_params, " parameters in the checkpoint but ", group.params().size(), " here");
+    TORCH_CHECK(num_params == static_cast<int64_t>(group.params().size()), who, "::load: group ", i,
+                " has ", num_params, " parameters in the checkpoint but ", group.params().size(),
+                " here");
     for (const auto j : c10::irange(group.params().size())) {
       const at::Tensor& param = group.params()[j];
-      const auto saved_shape = read_value(group_archive, param_key(j) + "_shape", what, who).toIntVector();
+      const auto saved_shape =
+          read_value(group_archive, param_key(j) + "_shape", what, who).toIntVector();
       TORCH_CHECK(saved_shape == param.sizes().vec(), who, "::load: parameter ", j, " of group ", i,
-                  " had shape ", c10::IntArrayRef(saved_shape), " when saved but has shape ", param.sizes(), " here");
+                  " had shape ", c10::IntArrayRef(saved_shape), " when saved but has shape ",
+                  param.sizes(), " here");
       torch::serialize::InputArchive state_archive;
       if (!group_archive.try_read(param_key(j), state_archive)) continue;
       auto state = std::make_unique<State>();
@@ -100,7 +111,8 @@ std::map<std::string, int64_t> load_checkpoint(torch::optim::Optimizer& optimize
   }
 
   // Everything checked: commit.
-  for (const auto i : c10::irange(groups.size())) groups[i].set_options(std::make_unique<Options>(loaded_options[i]));
+  for (const auto i : c10::irange(groups.size()))
+    groups[i].set_options(std::make_unique<Options>(loaded_options[i]));
   optimizer.state().clear();
   for (auto& [key, state] : loaded_state) optimizer.state()[key] = std::move(state);
   return loaded_counters;
