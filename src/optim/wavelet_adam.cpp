@@ -37,7 +37,9 @@ bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs) {
          lhs.level() == rhs.level() && lhs.boundary() == rhs.boundary() &&
          lhs.scale() == rhs.scale() && lhs.norm_growth_limit() == rhs.norm_growth_limit() &&
          lhs.correct_bias() == rhs.correct_bias() && lhs.dim() == rhs.dim() &&
-         lhs.fused() == rhs.fused() && lhs.state_dtype() == rhs.state_dtype();
+         lhs.fused() == rhs.fused() && lhs.state_dtype() == rhs.state_dtype() &&
+         lhs.transform() == rhs.transform() && lhs.threshold() == rhs.threshold() &&
+         lhs.threshold_mode() == rhs.threshold_mode() && lhs.min_size() == rhs.min_size();
 }
 
 namespace {
@@ -62,6 +64,10 @@ void WaveletAdamOptions::serialize(torch::serialize::OutputArchive& archive) con
   archive.write("dim", c10::IValue(dim()));
   archive.write("fused", c10::IValue(fused()));
   archive.write("state_dtype", c10::IValue(state_dtype()));
+  archive.write("transform", c10::IValue(transform()));
+  archive.write("threshold", c10::IValue(threshold()));
+  archive.write("threshold_mode", c10::IValue(threshold_mode()));
+  archive.write("min_size", c10::IValue(min_size()));
 }
 
 void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -80,6 +86,10 @@ void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
   dim(read_value(archive, "dim", what).toInt());
   fused(read_value(archive, "fused", what).toBool());
   state_dtype(read_value(archive, "state_dtype", what).toStringRef());
+  transform(read_value(archive, "transform", what).toStringRef());
+  threshold(read_value(archive, "threshold", what).toDouble());
+  threshold_mode(read_value(archive, "threshold_mode", what).toStringRef());
+  min_size(read_value(archive, "min_size", what).toInt());
 }
 
 void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -124,6 +134,15 @@ void validate_options(const WaveletAdamOptions& o) {
   TORCH_CHECK(finite(o.norm_growth_limit()) && o.norm_growth_limit() >= 0,
               "gwt::WaveletAdam: invalid norm_growth_limit ", o.norm_growth_limit(),
               "; it must be finite and >= 0 (0 disables the limiter)");
+  TORCH_CHECK(o.transform() == "1d" || o.transform() == "2d",
+              "gwt::WaveletAdam: invalid transform '", o.transform(), "'; valid values are 1d, 2d");
+  TORCH_CHECK(finite(o.threshold()) && o.threshold() >= 0, "gwt::WaveletAdam: invalid threshold ",
+              o.threshold(), "; it must be finite and >= 0 (0 = off)");
+  TORCH_CHECK(o.threshold_mode() == "soft" || o.threshold_mode() == "hard",
+              "gwt::WaveletAdam: invalid threshold_mode '", o.threshold_mode(),
+              "'; valid values are soft, hard");
+  TORCH_CHECK(o.min_size() >= 0, "gwt::WaveletAdam: invalid min_size ", o.min_size(),
+              "; it must be >= 0");
   Wavelet(o.wavelet());                     // throws listing the valid names
   boundary_mode_from_string(o.boundary());  // throws listing the valid modes
 }
@@ -152,6 +171,7 @@ void check_param(const at::Tensor& param) {
 
 struct Plan {
   bool wavelet = false;
+  bool two_d = false;                // transform "2d": over the last two dimensions
   int64_t dim = 0;                   // normalised transform dimension (wavelet only)
   std::vector<int64_t> state_shape;  // shape of exp_avg / exp_avg_sq
 };
@@ -160,15 +180,27 @@ Plan plan_for(const at::Tensor& param, const WaveletAdamOptions& o) {
   Plan plan;
   plan.state_shape = param.sizes().vec();
   if (o.level() == 0 || param.dim() < 2) return plan;
+  const int64_t block = int64_t{1} << o.level();
+  const int64_t rows = param.size(-2), cols = param.size(-1);
+  if (rows < o.min_size() || cols < o.min_size()) return plan;
+  const Wavelet wavelet(o.wavelet());
+  const BoundaryMode mode = boundary_mode_from_string(o.boundary());
+  if (o.transform() == "2d") {
+    if (rows < block || cols < block) return plan;
+    plan.wavelet = plan.two_d = true;
+    plan.dim = param.dim() - 1;
+    plan.state_shape[param.dim() - 2] = approx_len(rows, wavelet, o.level(), mode);
+    plan.state_shape[param.dim() - 1] = approx_len(cols, wavelet, o.level(), mode);
+    return plan;
+  }
   TORCH_CHECK(o.dim() >= -param.dim() && o.dim() < param.dim(), "gwt::WaveletAdam: dim ", o.dim(),
               " is out of range for a parameter of shape ", param.sizes(),
               " (valid: ", -param.dim(), " to ", param.dim() - 1, ")");
   const int64_t dim = o.dim() < 0 ? o.dim() + param.dim() : o.dim();
-  if (param.size(dim) < (int64_t{1} << o.level())) return plan;
+  if (param.size(dim) < block) return plan;
   plan.wavelet = true;
   plan.dim = dim;
-  plan.state_shape[dim] = approx_len(param.size(dim), Wavelet(o.wavelet()), o.level(),
-                                     boundary_mode_from_string(o.boundary()));
+  plan.state_shape[dim] = approx_len(param.size(dim), wavelet, o.level(), mode);
   return plan;
 }
 
@@ -241,16 +273,25 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
   } else {
     const Wavelet wavelet(o.wavelet());
     const BoundaryMode mode = boundary_mode_from_string(o.boundary());
+    // The transform dimension(s) last; the moments are updated through views of the state.
     const int64_t dim = work.plan.dim;
-    const int64_t n = param.size(dim);
-    WaveletCoeffs coeffs = wavedec(grad.movedim(dim, -1), wavelet, o.level(), -1, mode);
-    const at::Tensor& approx = coeffs.approx;
-    // Views with the transform dimension last; updated in place.
-    exp_avg.movedim(dim, -1).mul_(beta1).add_(approx, 1 - beta1);
-    exp_avg_sq.movedim(dim, -1).mul_(beta2).addcmul_(approx, approx, 1 - beta2);
+    const at::Tensor g = work.plan.two_d ? grad : grad.movedim(dim, -1);
+    at::Tensor m = work.plan.two_d ? exp_avg : exp_avg.movedim(dim, -1);
+    at::Tensor v = work.plan.two_d ? exp_avg_sq : exp_avg_sq.movedim(dim, -1);
+    WaveletCoeffs coeffs;
+    WaveletCoeffs2 coeffs2;
+    if (work.plan.two_d)
+      coeffs2 = wavedec2(g, wavelet, o.level(), mode);
+    else
+      coeffs = wavedec(g, wavelet, o.level(), -1, mode);
+    const at::Tensor approx = work.plan.two_d ? coeffs2.approx : coeffs.approx;
+    m.mul_(beta1).add_(approx, 1 - beta1);
+    v.mul_(beta2).addcmul_(approx, approx, 1 - beta2);
     store_moments();
-    const at::Tensor denom = exp_avg_sq.movedim(dim, -1).sqrt().add_(o.eps());
-    at::Tensor normalized = exp_avg.movedim(dim, -1) / denom;
+    m = work.plan.two_d ? exp_avg : exp_avg.movedim(dim, -1);
+    v = work.plan.two_d ? exp_avg_sq : exp_avg_sq.movedim(dim, -1);
+    const at::Tensor denom = v.sqrt().add_(o.eps());
+    at::Tensor normalized = m / denom;
 
     // Norm-growth limiter (Fira): the step's ||N|| may grow by at most gamma per step. Kept as a
     // 0-dim tensor so the step never waits for the device.
@@ -267,18 +308,42 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
       }
     }
 
-    // Details pass through, divided by the approximation's denominator: each coarse value covers
-    // 2^(L-k) detail coefficients at level k (coarsest first).
+    // Details pass through (thresholded first, when asked), divided by the approximation's
+    // denominator: each coarse value covers 2^(L-k) detail coefficients at level k per transformed
+    // axis (coarsest first).
+    int64_t kept = 0, total = 0;
+    auto normalize = [&](at::Tensor& detail, const at::Tensor& d) {
+      if (o.threshold() > 0) {
+        detail = threshold(detail, o.threshold(), o.threshold_mode());
+        kept += detail.count_nonzero().item<int64_t>();
+        total += detail.numel();
+      }
+      detail = limit.defined() ? detail / (d * limit) : detail / d;
+    };
     at::Tensor detail_denom = denom;
-    for (at::Tensor& detail : coeffs.details) {
-      at::Tensor d = detail_denom.narrow(-1, 0, detail.size(-1));
-      if (limit.defined()) d = d * limit;
-      detail = detail / d;
-      detail_denom = detail_denom.repeat_interleave(2, -1);
+    if (!work.plan.two_d) {
+      for (at::Tensor& detail : coeffs.details) {
+        normalize(detail, detail_denom.narrow(-1, 0, detail.size(-1)));
+        detail_denom = detail_denom.repeat_interleave(2, -1);
+      }
+      coeffs.approx = normalized;
+      const at::Tensor update =
+          waverec(coeffs, wavelet, -1, mode, param.size(dim)).movedim(-1, dim);
+      param.add_(update, -step_size * o.scale());
+    } else {
+      for (auto& level : coeffs2.details) {
+        const at::Tensor d =
+            detail_denom.narrow(-2, 0, level[0].size(-2)).narrow(-1, 0, level[0].size(-1));
+        for (at::Tensor& detail : level) normalize(detail, d);
+        detail_denom = detail_denom.repeat_interleave(2, -2).repeat_interleave(2, -1);
+      }
+      coeffs2.approx = normalized;
+      const at::Tensor update = waverec2(coeffs2, wavelet, mode)
+                                    .narrow(-2, 0, param.size(-2))
+                                    .narrow(-1, 0, param.size(-1));
+      param.add_(update, -step_size * o.scale());
     }
-    coeffs.approx = normalized;
-    const at::Tensor update = waverec(coeffs, wavelet, -1, mode, n).movedim(-1, dim);
-    param.add_(update, -step_size * o.scale());
+    if (o.threshold() > 0) state.kept_details(kept).total_details(total);
   }
   apply_weight_decay(param, o);
   if (!param.is_same(work.param)) work.param.copy_(param);
@@ -287,7 +352,8 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
 // Which implementation computes this parameter's step: the fused kernels where they reproduce the
 // reference (transform along the last, contiguous dimension), the ATen reference elsewhere.
 Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& plan) {
-  if (!o.fused() || !plan.wavelet || plan.dim != param.dim() - 1 || !param.is_contiguous())
+  if (!o.fused() || !plan.wavelet || plan.two_d || o.threshold() > 0 ||
+      plan.dim != param.dim() - 1 || !param.is_contiguous())
     return Path::reference;
   const bool haar = o.wavelet() == "haar" || o.wavelet() == "db1";
   // Haar's zero mode pads odd lengths with zeros, which keeps blocks local; the other modes agree

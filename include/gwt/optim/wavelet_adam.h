@@ -52,6 +52,19 @@ struct WaveletAdamOptions : public torch::optim::OptimizerCloneableOptions<Wavel
   /// Moment dtype: "auto" (float64 for float64 parameters, float32 otherwise) or "bfloat16"
   /// (halves the state again; the math stays in float32).
   TORCH_ARG(std::string, state_dtype) = "auto";
+  /// "1d" (along `dim`) or "2d": a separable 2-D DWT over the last two dimensions
+  /// (gwt::wavedec2), moments on the LL subband, each detail subband at level k divided by the LL
+  /// denominator repeated 2^(L-k) times along both axes (same limiter and scale).
+  TORCH_ARG(std::string, transform) = "1d";
+  /// Threshold applied to the detail coefficients before normalisation (PyWavelets' `threshold`
+  /// semantics); 0 = off. kept_details()/total_details() of the state report what survived.
+  TORCH_ARG(double, threshold) = 0;
+  /// "soft" or "hard".
+  TORCH_ARG(std::string, threshold_mode) = "soft";
+  /// Parameters whose last two dimensions have fewer than min_size elements take the dense path
+  /// (0 = off, the rule of SPEC 1.2; 32 skips matrices below 32 x 32, where compression saves
+  /// little).
+  TORCH_ARG(int64_t, min_size) = 0;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -71,6 +84,10 @@ struct WaveletAdamParamState
   TORCH_ARG(at::Tensor, exp_avg_sq);
   /// The limiter's saved ||N||_F (0-dim); undefined until the first wavelet step.
   TORCH_ARG(at::Tensor, norm);
+  /// With a threshold: detail coefficients kept (non-zero) and in all, at the last step (-1 before
+  /// one; not saved).
+  TORCH_ARG(int64_t, kept_details) = -1;
+  TORCH_ARG(int64_t, total_details) = -1;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;

@@ -1,0 +1,196 @@
+// WaveletAdam's compression options: the 2-D transform on the LL subband, thresholding of the
+// details, and min_size, against the rules written out here in plain float64 ATen ops.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gwt/gwt.h"
+#include "test_util.h"
+
+namespace {
+
+using gwt::WaveletAdam;
+using gwt::WaveletAdamOptions;
+using gwt::WaveletAdamParamState;
+using gwt_test::max_abs_diff;
+
+const WaveletAdamParamState& state_of(WaveletAdam& opt, const at::Tensor& p) {
+  return static_cast<const WaveletAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+}
+
+struct Spec {
+  at::Tensor m, v, norm;
+  int64_t t = 0;
+};
+
+// The limiter and step of SPEC 1.1, shared by both rules below.
+double limiter(at::Tensor& N, Spec& s, double gamma) {
+  if (gamma <= 0) return 1.0;
+  const double norm = N.norm().item<double>();
+  if (!s.norm.defined()) {
+    s.norm = at::scalar_tensor(norm, at::kDouble);
+    return 1.0;
+  }
+  const double lim = std::max(norm / (s.norm.item<double>() + 1e-8), gamma) / gamma;
+  N = N / lim;
+  s.norm = at::scalar_tensor(norm / lim, at::kDouble);
+  return lim;
+}
+
+// The 2-D rule of the compression issue: moments on LL; each detail subband at level k divided by
+// the LL denominator repeated 2^(L-k) times along both axes and cropped.
+void spec_2d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdamOptions& o) {
+  const auto [b1, b2] = o.betas();
+  const auto mode = gwt::boundary_mode_from_string(o.boundary());
+  auto c = gwt::wavedec2(g, o.wavelet(), o.level(), mode);
+  if (!s.m.defined()) s.m = at::zeros_like(c.approx), s.v = at::zeros_like(c.approx);
+  s.t += 1;
+  s.m = b1 * s.m + (1 - b1) * c.approx;
+  s.v = b2 * s.v + (1 - b2) * c.approx * c.approx;
+  const at::Tensor denom = at::sqrt(s.v) + o.eps();
+  at::Tensor N = s.m / denom;
+  const double lim = limiter(N, s, o.norm_growth_limit());
+  at::Tensor d = denom;
+  for (auto& level : c.details) {
+    for (auto& D : level) {
+      if (o.threshold() > 0) D = gwt::threshold(D, o.threshold(), o.threshold_mode());
+      D = D / (d.slice(-2, 0, D.size(-2)).slice(-1, 0, D.size(-1)) * lim);
+    }
+    d = at::repeat_interleave(at::repeat_interleave(d, 2, -2), 2, -1);
+  }
+  c.approx = N;
+  const at::Tensor U = gwt::waverec2(c, o.wavelet(), mode).slice(-2, 0, p.size(-2)).slice(-1, 0, p.size(-1));
+  const double step_size = o.lr() * std::sqrt(1 - std::pow(b2, s.t)) / (1 - std::pow(b1, s.t));
+  p = p - step_size * o.scale() * U;
+  p = p - o.lr() * o.weight_decay() * p;
+}
+
+// SPEC 1.1 along the last dimension, with the details thresholded before normalisation.
+void spec_1d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdamOptions& o) {
+  const auto [b1, b2] = o.betas();
+  const auto mode = gwt::boundary_mode_from_string(o.boundary());
+  auto c = gwt::wavedec(g, o.wavelet(), o.level(), -1, mode);
+  if (!s.m.defined()) s.m = at::zeros_like(c.approx), s.v = at::zeros_like(c.approx);
+  s.t += 1;
+  s.m = b1 * s.m + (1 - b1) * c.approx;
+  s.v = b2 * s.v + (1 - b2) * c.approx * c.approx;
+  const at::Tensor denom = at::sqrt(s.v) + o.eps();
+  at::Tensor N = s.m / denom;
+  const double lim = limiter(N, s, o.norm_growth_limit());
+  at::Tensor d = denom;
+  for (auto& D : c.details) {
+    D = gwt::threshold(D, o.threshold(), o.threshold_mode());
+    D = D / (d.slice(-1, 0, D.size(-1)) * lim);
+    d = at::repeat_interleave(d, 2, -1);
+  }
+  c.approx = N;
+  const at::Tensor U = gwt::waverec(c, o.wavelet(), -1, mode).slice(-1, 0, p.size(-1));
+  const double step_size = o.lr() * std::sqrt(1 - std::pow(b2, s.t)) / (1 - std::pow(b1, s.t));
+  p = p - step_size * o.scale() * U;
+  p = p - o.lr() * o.weight_decay() * p;
+}
+
+TEST(Compression, TwoDimensionalPathFollowsTheRule) {
+  struct Case {
+    std::string wavelet, boundary;
+    int64_t level;
+    std::vector<int64_t> shape;
+    double threshold;
+  };
+  const std::vector<Case> cases = {{"haar", "zero", 2, {12, 20}, 0.0},
+                                   {"db2", "periodization", 2, {16, 24}, 0.0},
+                                   {"sym3", "symmetric", 1, {2, 13, 11}, 0.0},
+                                   {"haar", "zero", 3, {17, 33}, 0.3}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.wavelet + " " + c.boundary + " L=" + std::to_string(c.level));
+    const auto o = WaveletAdamOptions(0.02).transform("2d").wavelet(c.wavelet).boundary(c.boundary)
+                       .level(c.level).scale(0.5).weight_decay(0.05).threshold(c.threshold);
+    at::manual_seed(31);
+    at::Tensor p = at::randn(c.shape, at::kDouble).requires_grad_(true);
+    at::Tensor expected = p.detach().clone();
+    WaveletAdam opt({p}, o);
+    EXPECT_FALSE(opt.is_fused_param(p));
+    Spec spec;
+    for (int t = 0; t < 5; ++t) {
+      const at::Tensor g = at::randn(c.shape, at::kDouble) * (1 + 2 * t);
+      p.mutable_grad() = g.clone();
+      opt.step();
+      spec_2d_step(expected, g, spec, o);
+      EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-10) << "step " << t;
+    }
+  }
+}
+
+TEST(Compression, TwoDimensionalStateIsAQuarterToTheLevel) {
+  for (int64_t level : {1, 2, 3}) {
+    at::Tensor p = at::randn({64, 64}).requires_grad_(true);
+    WaveletAdam opt({p}, WaveletAdamOptions().transform("2d").level(level));
+    p.mutable_grad() = at::randn({64, 64});
+    opt.step();
+    const auto& s = state_of(opt, p);
+    EXPECT_EQ(s.exp_avg().numel() * (int64_t{1} << (2 * level)), p.numel()) << "level " << level;
+    EXPECT_EQ(opt.state_bytes(p), 2 * p.numel() * 4 / (int64_t{1} << (2 * level)) + 4);
+  }
+}
+
+TEST(Compression, ThresholdingFollowsTheRuleAndReportsWhatIsKept) {
+  for (const std::string mode : {"soft", "hard"}) {
+    const auto o = WaveletAdamOptions(0.02).wavelet("db2").level(2).threshold(0.8).threshold_mode(mode);
+    at::manual_seed(32);
+    at::Tensor p = at::randn({6, 40}, at::kDouble).requires_grad_(true);
+    at::Tensor expected = p.detach().clone();
+    WaveletAdam opt({p}, o);
+    Spec spec;
+    for (int t = 0; t < 4; ++t) {
+      const at::Tensor g = at::randn({6, 40}, at::kDouble);
+      p.mutable_grad() = g.clone();
+      opt.step();
+      spec_1d_step(expected, g, spec, o);
+      EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-12) << mode << " step " << t;
+    }
+    const auto& s = state_of(opt, p);
+    const auto c = gwt::wavedec(at::randn({6, 40}, at::kDouble), "db2", 2);
+    EXPECT_EQ(s.total_details(), 6 * (c.details[0].size(-1) + c.details[1].size(-1)));
+    EXPECT_GT(s.kept_details(), 0);
+    EXPECT_LT(s.kept_details(), s.total_details());  // |d| < 0.8 is common for unit gradients
+  }
+}
+
+TEST(Compression, ThresholdZeroIsBitIdenticalToNone) {
+  at::manual_seed(33);
+  const at::Tensor init = at::randn({8, 32});
+  at::Tensor a = init.clone().requires_grad_(true), b = init.clone().requires_grad_(true);
+  WaveletAdam with({a}, WaveletAdamOptions(0.01).threshold(0.0)), without({b}, WaveletAdamOptions(0.01));
+  for (int t = 0; t < 4; ++t) {
+    const at::Tensor g = at::randn({8, 32});
+    a.mutable_grad() = g.clone(), b.mutable_grad() = g.clone();
+    with.step(), without.step();
+  }
+  EXPECT_TRUE(at::equal(a, b));
+}
+
+TEST(Compression, MinSizeSendsSmallMatricesToTheDensePath) {
+  at::Tensor small = at::randn({16, 64}).requires_grad_(true), large = at::randn({32, 64}).requires_grad_(true);
+  WaveletAdam opt({small, large}, WaveletAdamOptions().min_size(32));
+  EXPECT_FALSE(opt.is_wavelet_param(small));
+  EXPECT_TRUE(opt.is_wavelet_param(large));
+  small.mutable_grad() = at::randn({16, 64}), large.mutable_grad() = at::randn({32, 64});
+  opt.step();
+  EXPECT_EQ(state_of(opt, small).exp_avg().sizes(), small.sizes());
+  EXPECT_EQ(state_of(opt, large).exp_avg().sizes(), (std::vector<int64_t>{32, 16}));
+}
+
+TEST(Compression, BadCompressionOptionsAreRejected) {
+  const at::Tensor p = at::randn({8, 8}).requires_grad_(true);
+  EXPECT_THROW(WaveletAdam({p}, WaveletAdamOptions().transform("3d")), c10::Error);
+  EXPECT_THROW(WaveletAdam({p}, WaveletAdamOptions().threshold(-0.1)), c10::Error);
+  EXPECT_THROW(WaveletAdam({p}, WaveletAdamOptions().threshold_mode("garrote")), c10::Error);
+  EXPECT_THROW(WaveletAdam({p}, WaveletAdamOptions().min_size(-1)), c10::Error);
+}
+
+}  // namespace
