@@ -3,9 +3,13 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/serialize.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -64,7 +68,8 @@ void spec_2d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdam
     d = at::repeat_interleave(at::repeat_interleave(d, 2, -2), 2, -1);
   }
   c.approx = N;
-  const at::Tensor U = gwt::waverec2(c, o.wavelet(), mode).slice(-2, 0, p.size(-2)).slice(-1, 0, p.size(-1));
+  const at::Tensor U =
+      gwt::waverec2(c, o.wavelet(), mode).slice(-2, 0, p.size(-2)).slice(-1, 0, p.size(-1));
   const double step_size = o.lr() * std::sqrt(1 - std::pow(b2, s.t)) / (1 - std::pow(b1, s.t));
   p = p - step_size * o.scale() * U;
   p = p - o.lr() * o.weight_decay() * p;
@@ -108,8 +113,14 @@ TEST(Compression, TwoDimensionalPathFollowsTheRule) {
                                    {"haar", "zero", 3, {17, 33}, 0.3}};
   for (const auto& c : cases) {
     SCOPED_TRACE(c.wavelet + " " + c.boundary + " L=" + std::to_string(c.level));
-    const auto o = WaveletAdamOptions(0.02).transform("2d").wavelet(c.wavelet).boundary(c.boundary)
-                       .level(c.level).scale(0.5).weight_decay(0.05).threshold(c.threshold);
+    const auto o = WaveletAdamOptions(0.02)
+                       .transform("2d")
+                       .wavelet(c.wavelet)
+                       .boundary(c.boundary)
+                       .level(c.level)
+                       .scale(0.5)
+                       .weight_decay(0.05)
+                       .threshold(c.threshold);
     at::manual_seed(31);
     at::Tensor p = at::randn(c.shape, at::kDouble).requires_grad_(true);
     at::Tensor expected = p.detach().clone();
@@ -140,7 +151,8 @@ TEST(Compression, TwoDimensionalStateIsAQuarterToTheLevel) {
 
 TEST(Compression, ThresholdingFollowsTheRuleAndReportsWhatIsKept) {
   for (const std::string mode : {"soft", "hard"}) {
-    const auto o = WaveletAdamOptions(0.02).wavelet("db2").level(2).threshold(0.8).threshold_mode(mode);
+    const auto o =
+        WaveletAdamOptions(0.02).wavelet("db2").level(2).threshold(0.8).threshold_mode(mode);
     at::manual_seed(32);
     at::Tensor p = at::randn({6, 40}, at::kDouble).requires_grad_(true);
     at::Tensor expected = p.detach().clone();
@@ -165,7 +177,8 @@ TEST(Compression, ThresholdZeroIsBitIdenticalToNone) {
   at::manual_seed(33);
   const at::Tensor init = at::randn({8, 32});
   at::Tensor a = init.clone().requires_grad_(true), b = init.clone().requires_grad_(true);
-  WaveletAdam with({a}, WaveletAdamOptions(0.01).threshold(0.0)), without({b}, WaveletAdamOptions(0.01));
+  WaveletAdam with({a}, WaveletAdamOptions(0.01).threshold(0.0)),
+      without({b}, WaveletAdamOptions(0.01));
   for (int t = 0; t < 4; ++t) {
     const at::Tensor g = at::randn({8, 32});
     a.mutable_grad() = g.clone(), b.mutable_grad() = g.clone();
@@ -175,7 +188,8 @@ TEST(Compression, ThresholdZeroIsBitIdenticalToNone) {
 }
 
 TEST(Compression, MinSizeSendsSmallMatricesToTheDensePath) {
-  at::Tensor small = at::randn({16, 64}).requires_grad_(true), large = at::randn({32, 64}).requires_grad_(true);
+  at::Tensor small = at::randn({16, 64}).requires_grad_(true),
+             large = at::randn({32, 64}).requires_grad_(true);
   WaveletAdam opt({small, large}, WaveletAdamOptions().min_size(32));
   EXPECT_FALSE(opt.is_wavelet_param(small));
   EXPECT_TRUE(opt.is_wavelet_param(large));
@@ -191,6 +205,115 @@ TEST(Compression, BadCompressionOptionsAreRejected) {
   EXPECT_THROW(WaveletAdam({p}, WaveletAdamOptions().threshold(-0.1)), c10::Error);
   EXPECT_THROW(WaveletAdam({p}, WaveletAdamOptions().threshold_mode("garrote")), c10::Error);
   EXPECT_THROW(WaveletAdam({p}, WaveletAdamOptions().min_size(-1)), c10::Error);
+}
+
+TEST(ThresholdScheduler, LinearRampWithFloorAndCeiling) {
+  at::Tensor a = at::randn({8, 16}).requires_grad_(true),
+             b = at::randn({8, 16}).requires_grad_(true);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{a});
+  groups.emplace_back(std::vector<at::Tensor>{b});
+  WaveletAdam opt(std::move(groups));
+  auto scheduler = gwt::ThresholdScheduler::linear_ramp(opt, 0.0, 1.0, 4, 0.1, 0.6);
+  const std::vector<double> expected = {0.1, 0.25, 0.5,
+                                        0.6, 0.6,  0.6};  // 0, .25, .5, .75 -> clamped
+  for (size_t t = 0; t < expected.size(); ++t) {
+    EXPECT_DOUBLE_EQ(opt.group_options(0).threshold(), expected[t]) << "call " << t;
+    EXPECT_DOUBLE_EQ(opt.group_options(1).threshold(), expected[t]) << "call " << t;
+    scheduler.step();
+  }
+}
+
+TEST(ThresholdScheduler, PerGroupRuleAndSaveLoadKeepTheCurrentValues) {
+  at::Tensor a = at::randn({8, 16}).requires_grad_(true),
+             b = at::randn({8, 16}).requires_grad_(true);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{a},
+                      std::make_unique<WaveletAdamOptions>(WaveletAdamOptions().threshold(0.2)));
+  groups.emplace_back(std::vector<at::Tensor>{b},
+                      std::make_unique<WaveletAdamOptions>(WaveletAdamOptions().threshold(0.4)));
+  WaveletAdam opt(std::move(groups));
+  gwt::ThresholdScheduler scheduler(opt,
+                                    [](int64_t step, double base) { return base * (1 + step); });
+  for (int t = 0; t < 3; ++t) {
+    a.mutable_grad() = at::randn({8, 16}), b.mutable_grad() = at::randn({8, 16});
+    opt.step();
+    scheduler.step();
+  }
+  EXPECT_DOUBLE_EQ(opt.group_options(0).threshold(), 0.8);
+  EXPECT_NEAR(opt.group_options(1).threshold(), 1.6, 1e-15);
+  const std::string path = ::testing::TempDir() + "gwt_sched_" + std::to_string(::getpid()) + ".pt";
+  torch::save(opt, path);
+  std::vector<torch::optim::OptimizerParamGroup> fresh;
+  fresh.emplace_back(std::vector<at::Tensor>{a});
+  fresh.emplace_back(std::vector<at::Tensor>{b});
+  WaveletAdam loaded(std::move(fresh));
+  torch::load(loaded, path);
+  std::remove(path.c_str());
+  EXPECT_DOUBLE_EQ(loaded.group_options(0).threshold(), 0.8);
+  EXPECT_NEAR(loaded.group_options(1).threshold(), 1.6, 1e-15);
+}
+
+struct StackImpl : torch::nn::Module {
+  StackImpl()
+      : layers(register_module("layers", torch::nn::ModuleList())),
+        head(register_module("head", torch::nn::Linear(16, 4))) {
+    for (int i = 0; i < 4; ++i) layers->push_back(torch::nn::Linear(16, 16));
+  }
+  torch::nn::ModuleList layers;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Stack);
+
+TEST(DepthGroups, LowerLayersLighterUpperLayersStronger) {
+  Stack model;
+  const auto groups = gwt::depth_param_groups(
+      *model, WaveletAdamOptions(0.01), [](int64_t layer, int64_t layers, WaveletAdamOptions o) {
+        return o.level(layer < layers / 2 ? 1 : 2).threshold(0.1 * layer);
+      });
+  WaveletAdam opt(groups);
+  ASSERT_EQ(opt.param_groups().size(), 5u);  // four layers and the dense group
+  for (int64_t layer = 0; layer < 4; ++layer) {
+    const auto& weight = model->layers[layer]->as<torch::nn::LinearImpl>()->weight;
+    for (size_t g = 0; g < 4; ++g)
+      if (opt.param_groups()[g].params().front().is_same(weight)) {
+        EXPECT_EQ(opt.group_options(g).level(), layer < 2 ? 1 : 2);
+        EXPECT_DOUBLE_EQ(opt.group_options(g).threshold(), 0.1 * static_cast<double>(layer));
+      }
+  }
+  EXPECT_EQ(opt.group_options(4).level(), 0);
+  EXPECT_FALSE(opt.is_wavelet_param(model->head->weight));
+}
+
+TEST(CompressedGradient, RoundTripIsExactWithoutThresholdAndReportsItsError) {
+  at::manual_seed(34);
+  const at::Tensor g = at::randn({24, 40}, at::kDouble);
+  const auto exact = gwt::compress_gradient(g, "db2", 2, 0.0);
+  EXPECT_LE(max_abs_diff(gwt::decompress_gradient(exact), g), 1e-12);
+  EXPECT_LE(exact.relative_error, 1e-14);
+  EXPECT_EQ(exact.dense_bytes(), 24 * 40 * 8);
+
+  const auto lossy = gwt::compress_gradient(g, "db2", 2, 1.0, "hard");
+  const at::Tensor back = gwt::decompress_gradient(lossy);
+  EXPECT_NEAR(lossy.relative_error, (back - g).norm().item<double>() / g.norm().item<double>(),
+              1e-15);
+  EXPECT_GT(lossy.relative_error, 0.0);
+  EXPECT_LT(lossy.bytes(), exact.bytes());
+  // Kept coefficients are exactly those with |d| >= 1 (PyWavelets' hard rule).
+  const auto c = gwt::wavedec(g, "db2", 2);
+  int64_t kept = 0;
+  for (const auto& d : c.details) kept += (d.abs() >= 1.0).sum().item<int64_t>();
+  EXPECT_EQ(lossy.detail_values[0].numel() + lossy.detail_values[1].numel(), kept);
+
+  const std::string path =
+      ::testing::TempDir() + "gwt_compressed_" + std::to_string(::getpid()) + ".pt";
+  torch::save(lossy, path);
+  gwt::CompressedGradient loaded;
+  torch::load(loaded, path);
+  std::remove(path.c_str());
+  EXPECT_TRUE(at::equal(gwt::decompress_gradient(loaded), back));
+  EXPECT_EQ(loaded.bytes(), lossy.bytes());
+  EXPECT_DOUBLE_EQ(loaded.relative_error, lossy.relative_error);
 }
 
 }  // namespace

@@ -1,0 +1,197 @@
+#include "gwt/compression.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <cctype>
+#include <map>
+#include <memory>
+
+#include "gwt/optim/param_groups.h"
+#include "gwt/transform.h"
+
+namespace gwt {
+
+// ----------------------------------------------------------------------------------------------
+// ThresholdScheduler
+// ----------------------------------------------------------------------------------------------
+
+ThresholdScheduler::ThresholdScheduler(WaveletAdam& optimizer, Rule rule)
+    : optimizer_(optimizer), rule_(std::move(rule)) {
+  TORCH_CHECK(rule_ != nullptr, "gwt::ThresholdScheduler needs a rule");
+  for (const auto i : c10::irange(optimizer_.param_groups().size()))
+    base_.push_back(optimizer_.group_options(i).threshold());
+  apply();
+}
+
+ThresholdScheduler ThresholdScheduler::linear_ramp(WaveletAdam& optimizer, double start, double end, int64_t steps,
+                                                   double floor, double ceiling) {
+  TORCH_CHECK(steps >= 1, "gwt::ThresholdScheduler::linear_ramp: steps must be >= 1, got ", steps);
+  TORCH_CHECK(floor <= ceiling, "gwt::ThresholdScheduler::linear_ramp: floor ", floor, " is above ceiling ", ceiling);
+  return ThresholdScheduler(optimizer, [=](int64_t step, double) {
+    const double progress = std::min(1.0, static_cast<double>(step) / static_cast<double>(steps));
+    return std::clamp(start + (end - start) * progress, floor, ceiling);
+  });
+}
+
+void ThresholdScheduler::step() {
+  ++step_count_;
+  apply();
+}
+
+void ThresholdScheduler::apply() {
+  for (const auto i : c10::irange(optimizer_.param_groups().size())) {
+    const double value = rule_(step_count_, base_.at(i));
+    TORCH_CHECK(std::isfinite(value) && value >= 0, "gwt::ThresholdScheduler: the rule gave threshold ", value,
+                " for group ", i, " at step ", step_count_, "; thresholds must be finite and >= 0");
+    static_cast<WaveletAdamOptions&>(optimizer_.param_groups()[i].options()).threshold(value);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Per-layer strength
+// ----------------------------------------------------------------------------------------------
+
+namespace {
+// The first dot-separated component of a name that is a number, or -1.
+int64_t layer_of(const std::string& name) {
+  size_t start = 0;
+  while (start <= name.size()) {
+    const size_t end = std::min(name.find('.', start), name.size());
+    const std::string part = name.substr(start, end - start);
+    if (!part.empty() && std::all_of(part.begin(), part.end(), [](unsigned char c) { return std::isdigit(c); }))
+      return std::stoll(part);
+    start = end + 1;
+  }
+  return -1;
+}
+}  // namespace
+
+std::vector<torch::optim::OptimizerParamGroup> depth_param_groups(
+    const torch::nn::Module& module, const WaveletAdamOptions& options,
+    const std::function<WaveletAdamOptions(int64_t, int64_t, WaveletAdamOptions)>& strength) {
+  const auto assignments = assign_param_groups(module);
+  int64_t layers = 0;
+  for (const auto& a : assignments)
+    if (a.wavelet) layers = std::max(layers, layer_of(a.name) + 1);
+  std::map<int64_t, std::vector<at::Tensor>> by_layer;  // -1: wavelet without a layer number
+  std::vector<at::Tensor> dense;
+  for (const auto& a : assignments) (a.wavelet ? by_layer[layer_of(a.name)] : dense).push_back(a.param);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (auto& [layer, params] : by_layer) {
+    WaveletAdamOptions o = layer < 0 ? options : strength(layer, layers, options);
+    validate_options(o);
+    groups.emplace_back(std::move(params), std::make_unique<WaveletAdamOptions>(o));
+  }
+  if (!dense.empty()) groups.emplace_back(std::move(dense), std::make_unique<WaveletAdamOptions>(WaveletAdamOptions(options).level(0)));
+  return groups;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Compressed gradients
+// ----------------------------------------------------------------------------------------------
+
+int64_t CompressedGradient::bytes() const {
+  int64_t total = approx.defined() ? static_cast<int64_t>(approx.nbytes()) : 0;
+  for (size_t k = 0; k < detail_values.size(); ++k)
+    total += static_cast<int64_t>(detail_values[k].nbytes() + detail_indices[k].nbytes());
+  return total;
+}
+
+int64_t CompressedGradient::dense_bytes() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n * static_cast<int64_t>(approx.defined() ? approx.element_size() : 4);
+}
+
+CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wavelet, int64_t level, double threshold_value,
+                                     const std::string& threshold_mode, int64_t dim, BoundaryMode boundary) {
+  TORCH_CHECK(grad.defined() && grad.dim() >= 1, "gwt::compress_gradient needs a tensor with a dimension");
+  TORCH_CHECK(level >= 1, "gwt::compress_gradient: level must be >= 1, got ", level);
+  CompressedGradient c;
+  c.shape = grad.sizes().vec();
+  c.wavelet = wavelet.name(), c.boundary = to_string(boundary), c.threshold_mode = threshold_mode;
+  c.level = level, c.dim = dim, c.threshold = threshold_value;
+  const WaveletCoeffs coeffs = wavedec(grad, wavelet, level, dim, boundary);
+  c.approx = coeffs.approx.contiguous();
+  for (const auto& detail : coeffs.details) {
+    const at::Tensor kept = threshold_value > 0 ? threshold(detail, threshold_value, threshold_mode) : detail;
+    const at::Tensor flat = kept.contiguous().view({-1});
+    const at::Tensor indices = flat.nonzero().view({-1});
+    TORCH_CHECK(flat.numel() < (int64_t{1} << 31), "gwt::compress_gradient: a subband too large for int32 indices");
+    c.detail_indices.push_back(indices.to(at::kInt));
+    c.detail_values.push_back(flat.index_select(0, indices));
+    c.detail_shapes.push_back(detail.sizes().vec());
+  }
+  const at::Tensor back = decompress_gradient(c).to(at::kDouble), original = grad.to(at::kDouble);
+  const double norm = original.norm().item<double>();
+  c.relative_error = norm > 0 ? (back - original).norm().item<double>() / norm : 0.0;
+  return c;
+}
+
+at::Tensor decompress_gradient(const CompressedGradient& c) {
+  TORCH_CHECK(c.approx.defined() && c.detail_values.size() == c.detail_shapes.size() &&
+                  c.detail_indices.size() == c.detail_shapes.size(),
+              "gwt::decompress_gradient: an incomplete CompressedGradient");
+  WaveletCoeffs coeffs;
+  coeffs.approx = c.approx;
+  for (size_t k = 0; k < c.detail_shapes.size(); ++k) {
+    at::Tensor flat = at::zeros(c.detail_shapes[k], c.approx.options()).view({-1});
+    flat.index_copy_(0, c.detail_indices[k].to(at::kLong), c.detail_values[k]);
+    coeffs.details.push_back(flat.view(c.detail_shapes[k]));
+  }
+  const int64_t dim = c.dim < 0 ? c.dim + static_cast<int64_t>(c.shape.size()) : c.dim;
+  return waverec(coeffs, c.wavelet, c.dim, boundary_mode_from_string(c.boundary), c.shape.at(dim));
+}
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const CompressedGradient& c) {
+  archive.write("format", c10::IValue(std::string("gwt.CompressedGradient.v1")));
+  archive.write("shape", c10::IValue(c.shape));
+  archive.write("wavelet", c10::IValue(c.wavelet));
+  archive.write("boundary", c10::IValue(c.boundary));
+  archive.write("threshold_mode", c10::IValue(c.threshold_mode));
+  archive.write("level", c10::IValue(c.level));
+  archive.write("dim", c10::IValue(c.dim));
+  archive.write("threshold", c10::IValue(c.threshold));
+  archive.write("relative_error", c10::IValue(c.relative_error));
+  archive.write("approx", c.approx);
+  for (size_t k = 0; k < c.detail_shapes.size(); ++k) {
+    archive.write("detail_shape_" + std::to_string(k), c10::IValue(c.detail_shapes[k]));
+    archive.write("detail_indices_" + std::to_string(k), c.detail_indices[k]);
+    archive.write("detail_values_" + std::to_string(k), c.detail_values[k]);
+  }
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, CompressedGradient& c) {
+  auto value = [&](const std::string& key) {
+    c10::IValue v;
+    TORCH_CHECK(archive.try_read(key, v), "gwt: not a CompressedGradient (no '", key, "')");
+    return v;
+  };
+  auto tensor = [&](const std::string& key) {
+    at::Tensor t;
+    TORCH_CHECK(archive.try_read(key, t), "gwt: not a CompressedGradient (no '", key, "')");
+    return t;
+  };
+  TORCH_CHECK(value("format").toStringRef() == "gwt.CompressedGradient.v1", "gwt: not a CompressedGradient");
+  CompressedGradient out;
+  out.shape = value("shape").toIntVector();
+  out.wavelet = value("wavelet").toStringRef(), out.boundary = value("boundary").toStringRef();
+  out.threshold_mode = value("threshold_mode").toStringRef();
+  out.level = value("level").toInt(), out.dim = value("dim").toInt();
+  out.threshold = value("threshold").toDouble(), out.relative_error = value("relative_error").toDouble();
+  out.approx = tensor("approx");
+  for (int64_t k = 0; k < out.level; ++k) {
+    out.detail_shapes.push_back(value("detail_shape_" + std::to_string(k)).toIntVector());
+    out.detail_indices.push_back(tensor("detail_indices_" + std::to_string(k)));
+    out.detail_values.push_back(tensor("detail_values_" + std::to_string(k)));
+  }
+  c = std::move(out);
+  return archive;
+}
+
+}  // namespace gwt
