@@ -170,6 +170,7 @@ TEST(Compression, ThresholdingFollowsTheRuleAndReportsWhatIsKept) {
     EXPECT_EQ(s.total_details(), 6 * (c.details[0].size(-1) + c.details[1].size(-1)));
     EXPECT_GT(s.kept_details(), 0);
     EXPECT_LT(s.kept_details(), s.total_details());  // |d| < 0.8 is common for unit gradients
+    EXPECT_EQ(opt.kept_details(), std::make_pair(s.kept_details(), s.total_details()));
   }
 }
 

@@ -642,6 +642,16 @@ int64_t WaveletAdam::state_bytes() const {
   return bytes;
 }
 
+std::pair<int64_t, int64_t> WaveletAdam::kept_details() const {
+  int64_t kept = 0, total = 0;
+  for (const auto& item : state_) {
+    const auto& s = static_cast<const WaveletAdamParamState&>(*item.second);
+    if (s.total_details() < 0) continue;
+    kept += s.kept_details(), total += s.total_details();
+  }
+  return {kept, total};
+}
+
 bool WaveletAdam::is_fused_param(const at::Tensor& param) const {
   for (const auto& group : param_groups())
     for (const auto& p : group.params())

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace gwt {
@@ -120,6 +121,9 @@ class WaveletAdam : public torch::optim::Optimizer {
   int64_t state_bytes(const at::Tensor& param) const;
   /// Whether `param` takes the wavelet path under its group's options.
   bool is_wavelet_param(const at::Tensor& param) const;
+  /// With thresholding: detail coefficients kept and in all at the last step, over every parameter
+  /// that has been thresholded ({kept, total}; kept / total is the compression ratio of the details).
+  std::pair<int64_t, int64_t> kept_details() const;
   /// Whether `param`'s step runs in a fused kernel (else the ATen reference).
   bool is_fused_param(const at::Tensor& param) const;
   /// Steps skipped because a gradient was not finite.
