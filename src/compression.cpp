@@ -27,10 +27,11 @@ ThresholdScheduler::ThresholdScheduler(WaveletAdam& optimizer, Rule rule)
   apply();
 }
 
-ThresholdScheduler ThresholdScheduler::linear_ramp(WaveletAdam& optimizer, double start, double end, int64_t steps,
-                                                   double floor, double ceiling) {
+ThresholdScheduler ThresholdScheduler::linear_ramp(WaveletAdam& optimizer, double start, double end,
+                                                   int64_t steps, double floor, double ceiling) {
   TORCH_CHECK(steps >= 1, "gwt::ThresholdScheduler::linear_ramp: steps must be >= 1, got ", steps);
-  TORCH_CHECK(floor <= ceiling, "gwt::ThresholdScheduler::linear_ramp: floor ", floor, " is above ceiling ", ceiling);
+  TORCH_CHECK(floor <= ceiling, "gwt::ThresholdScheduler::linear_ramp: floor ", floor,
+              " is above ceiling ", ceiling);
   return ThresholdScheduler(optimizer, [=](int64_t step, double) {
     const double progress = std::min(1.0, static_cast<double>(step) / static_cast<double>(steps));
     return std::clamp(start + (end - start) * progress, floor, ceiling);
@@ -45,8 +46,9 @@ void ThresholdScheduler::step() {
 void ThresholdScheduler::apply() {
   for (const auto i : c10::irange(optimizer_.param_groups().size())) {
     const double value = rule_(step_count_, base_.at(i));
-    TORCH_CHECK(std::isfinite(value) && value >= 0, "gwt::ThresholdScheduler: the rule gave threshold ", value,
-                " for group ", i, " at step ", step_count_, "; thresholds must be finite and >= 0");
+    TORCH_CHECK(std::isfinite(value) && value >= 0,
+                "gwt::ThresholdScheduler: the rule gave threshold ", value, " for group ", i,
+                " at step ", step_count_, "; thresholds must be finite and >= 0");
     static_cast<WaveletAdamOptions&>(optimizer_.param_groups()[i].options()).threshold(value);
   }
 }
@@ -62,7 +64,8 @@ int64_t layer_of(const std::string& name) {
   while (start <= name.size()) {
     const size_t end = std::min(name.find('.', start), name.size());
     const std::string part = name.substr(start, end - start);
-    if (!part.empty() && std::all_of(part.begin(), part.end(), [](unsigned char c) { return std::isdigit(c); }))
+    if (!part.empty() &&
+        std::all_of(part.begin(), part.end(), [](unsigned char c) { return std::isdigit(c); }))
       return std::stoll(part);
     start = end + 1;
   }
@@ -79,14 +82,17 @@ std::vector<torch::optim::OptimizerParamGroup> depth_param_groups(
     if (a.wavelet) layers = std::max(layers, layer_of(a.name) + 1);
   std::map<int64_t, std::vector<at::Tensor>> by_layer;  // -1: wavelet without a layer number
   std::vector<at::Tensor> dense;
-  for (const auto& a : assignments) (a.wavelet ? by_layer[layer_of(a.name)] : dense).push_back(a.param);
+  for (const auto& a : assignments)
+    (a.wavelet ? by_layer[layer_of(a.name)] : dense).push_back(a.param);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   for (auto& [layer, params] : by_layer) {
     WaveletAdamOptions o = layer < 0 ? options : strength(layer, layers, options);
     validate_options(o);
     groups.emplace_back(std::move(params), std::make_unique<WaveletAdamOptions>(o));
   }
-  if (!dense.empty()) groups.emplace_back(std::move(dense), std::make_unique<WaveletAdamOptions>(WaveletAdamOptions(options).level(0)));
+  if (!dense.empty())
+    groups.emplace_back(std::move(dense),
+                        std::make_unique<WaveletAdamOptions>(WaveletAdamOptions(options).level(0)));
   return groups;
 }
 
@@ -107,9 +113,11 @@ int64_t CompressedGradient::dense_bytes() const {
   return n * static_cast<int64_t>(approx.defined() ? approx.element_size() : 4);
 }
 
-CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wavelet, int64_t level, double threshold_value,
-                                     const std::string& threshold_mode, int64_t dim, BoundaryMode boundary) {
-  TORCH_CHECK(grad.defined() && grad.dim() >= 1, "gwt::compress_gradient needs a tensor with a dimension");
+CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wavelet, int64_t level,
+                                     double threshold_value, const std::string& threshold_mode,
+                                     int64_t dim, BoundaryMode boundary) {
+  TORCH_CHECK(grad.defined() && grad.dim() >= 1,
+              "gwt::compress_gradient needs a tensor with a dimension");
   TORCH_CHECK(level >= 1, "gwt::compress_gradient: level must be >= 1, got ", level);
   CompressedGradient c;
   c.shape = grad.sizes().vec();
@@ -118,10 +126,12 @@ CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wave
   const WaveletCoeffs coeffs = wavedec(grad, wavelet, level, dim, boundary);
   c.approx = coeffs.approx.contiguous();
   for (const auto& detail : coeffs.details) {
-    const at::Tensor kept = threshold_value > 0 ? threshold(detail, threshold_value, threshold_mode) : detail;
+    const at::Tensor kept =
+        threshold_value > 0 ? threshold(detail, threshold_value, threshold_mode) : detail;
     const at::Tensor flat = kept.contiguous().view({-1});
     const at::Tensor indices = flat.nonzero().view({-1});
-    TORCH_CHECK(flat.numel() < (int64_t{1} << 31), "gwt::compress_gradient: a subband too large for int32 indices");
+    TORCH_CHECK(flat.numel() < (int64_t{1} << 31),
+                "gwt::compress_gradient: a subband too large for int32 indices");
     c.detail_indices.push_back(indices.to(at::kInt));
     c.detail_values.push_back(flat.index_select(0, indices));
     c.detail_shapes.push_back(detail.sizes().vec());
@@ -147,7 +157,8 @@ at::Tensor decompress_gradient(const CompressedGradient& c) {
   return waverec(coeffs, c.wavelet, c.dim, boundary_mode_from_string(c.boundary), c.shape.at(dim));
 }
 
-torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const CompressedGradient& c) {
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const CompressedGradient& c) {
   archive.write("format", c10::IValue(std::string("gwt.CompressedGradient.v1")));
   archive.write("shape", c10::IValue(c.shape));
   archive.write("wavelet", c10::IValue(c.wavelet));
@@ -166,7 +177,8 @@ torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& arc
   return archive;
 }
 
-torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, CompressedGradient& c) {
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           CompressedGradient& c) {
   auto value = [&](const std::string& key) {
     c10::IValue v;
     TORCH_CHECK(archive.try_read(key, v), "gwt: not a CompressedGradient (no '", key, "')");
@@ -177,13 +189,15 @@ torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archi
     TORCH_CHECK(archive.try_read(key, t), "gwt: not a CompressedGradient (no '", key, "')");
     return t;
   };
-  TORCH_CHECK(value("format").toStringRef() == "gwt.CompressedGradient.v1", "gwt: not a CompressedGradient");
+  TORCH_CHECK(value("format").toStringRef() == "gwt.CompressedGradient.v1",
+              "gwt: not a CompressedGradient");
   CompressedGradient out;
   out.shape = value("shape").toIntVector();
   out.wavelet = value("wavelet").toStringRef(), out.boundary = value("boundary").toStringRef();
   out.threshold_mode = value("threshold_mode").toStringRef();
   out.level = value("level").toInt(), out.dim = value("dim").toInt();
-  out.threshold = value("threshold").toDouble(), out.relative_error = value("relative_error").toDouble();
+  out.threshold = value("threshold").toDouble(),
+  out.relative_error = value("relative_error").toDouble();
   out.approx = tensor("approx");
   for (int64_t k = 0; k < out.level; ++k) {
     out.detail_shapes.push_back(value("detail_shape_" + std::to_string(k)).toIntVector());

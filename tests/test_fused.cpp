@@ -138,6 +138,24 @@ TEST(Fused, GeneralWaveletsMatchReferenceForEveryModeAndLevel) {
       }
 }
 
+TEST(Fused, ThresholdedDetailsMatchTheReference) {
+  for (const std::string wavelet : {"haar", "db2"})
+    for (const std::string mode : {"soft", "hard"}) {
+      SCOPED_TRACE(wavelet + " " + mode);
+      const auto o = base_options().wavelet(wavelet).level(2).threshold(0.7).threshold_mode(mode);
+      const at::Tensor init = at::randn({5, 43}, at::kDouble);
+      OptRun fused = make_run(init, at::kDouble, o);
+      OptRun reference = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+      ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
+      for (const auto& g : gradients({5, 43}, 4, 30)) {
+        step(fused, g), step(reference, g);
+        EXPECT_LE(rel_error(fused.param, reference.param), 1e-11);
+        EXPECT_EQ(fused.opt->kept_details(), reference.opt->kept_details());
+      }
+      EXPECT_GT(fused.opt->kept_details().first, 0);
+    }
+}
+
 TEST(Fused, GeneralWaveletsInHalfPrecision) {
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     const std::vector<int64_t> shape = {6, 77};

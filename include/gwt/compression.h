@@ -30,8 +30,8 @@ class ThresholdScheduler {
   ThresholdScheduler(WaveletAdam& optimizer, Rule rule);
 
   /// From `start` to `end` linearly over `steps` calls, then `end`; clamped to [floor, ceiling].
-  static ThresholdScheduler linear_ramp(WaveletAdam& optimizer, double start, double end, int64_t steps,
-                                        double floor = 0.0,
+  static ThresholdScheduler linear_ramp(WaveletAdam& optimizer, double start, double end,
+                                        int64_t steps, double floor = 0.0,
                                         double ceiling = std::numeric_limits<double>::infinity());
 
   void step();
@@ -51,7 +51,8 @@ class ThresholdScheduler {
 /// a layer number keep `options`, dense ones get level 0.
 std::vector<torch::optim::OptimizerParamGroup> depth_param_groups(
     const torch::nn::Module& module, const WaveletAdamOptions& options,
-    const std::function<WaveletAdamOptions(int64_t layer, int64_t layers, WaveletAdamOptions options)>& strength);
+    const std::function<WaveletAdamOptions(int64_t layer, int64_t layers,
+                                           WaveletAdamOptions options)>& strength);
 
 /// A gradient in the wavelet domain with only the detail coefficients that survive a threshold:
 /// the approximation dense, each detail level as (flat int32 indices, values).

@@ -64,6 +64,10 @@ struct WaveletAdamArgs : HaarAdamArgs {
   Boundary boundary = Boundary::zero;
   void* workspace = nullptr;  ///< [rows, coeff_len] of the math type (double if math_f64)
   int64_t coeff_len = 0;      ///< per row: len(A_L) + len(D_L) + ... + len(D_1)
+  /// PyWavelets' threshold on the details before normalisation (0 = off): soft or hard.
+  double threshold = 0;
+  bool threshold_soft = true;
+  int64_t* kept_per_row = nullptr;  ///< with a threshold: [rows], details kept per row
 };
 
 /// Per-row coefficient count of WaveletAdamArgs::workspace for a row of length n.

@@ -222,12 +222,27 @@ class GeneralAdam {
       den[j] = (std::sqrt(mv.v) + eps) * lim;
       w[j] = mv.m / den[j];
     }
-    // Detail coefficient i at level l shares the denominator of coefficient i >> (L - l).
+    // Details thresholded first when asked (PyWavelets' rules: soft x * max(1 - t / |x|, 0) with
+    // 0 kept 0, hard 0 where |x| < t), then divided: detail i at level l shares the denominator of
+    // coefficient i >> (L - l).
+    const Acc t = static_cast<Acc>(a_.threshold);
+    int64_t kept = 0;
     for (int64_t l = a_.level; l >= 1; --l) {
       Acc* d = w + detail_offset_[l];
       const int64_t shift = a_.level - l;
-      for (int64_t i = 0; i < lengths_[l]; ++i) d[i] /= den[i >> shift];
+      for (int64_t i = 0; i < lengths_[l]; ++i) {
+        if (a_.threshold > 0) {
+          const Acc magnitude = std::abs(d[i]);
+          if (a_.threshold_soft)
+            d[i] = magnitude == 0 ? Acc(0) : d[i] * std::max(Acc(1) - t / magnitude, Acc(0));
+          else if (magnitude < t)
+            d[i] = 0;
+          kept += d[i] != 0;
+        }
+        d[i] /= den[i >> shift];
+      }
     }
+    if (a_.kept_per_row != nullptr) a_.kept_per_row[r] = kept;
     // IDWT cascade, coarsest first, dropping a trailing sample when one longer than the detail.
     std::copy(w, w + a_.approx_len, x);
     int64_t len = a_.approx_len;

@@ -352,9 +352,11 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
 // Which implementation computes this parameter's step: the fused kernels where they reproduce the
 // reference (transform along the last, contiguous dimension), the ATen reference elsewhere.
 Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& plan) {
-  if (!o.fused() || !plan.wavelet || plan.two_d || o.threshold() > 0 ||
-      plan.dim != param.dim() - 1 || !param.is_contiguous())
+  if (!o.fused() || !plan.wavelet || plan.two_d || plan.dim != param.dim() - 1 ||
+      !param.is_contiguous())
     return Path::reference;
+  // Thresholded details break Haar's closed form: the general CPU kernel thresholds them.
+  if (o.threshold() > 0) return param.device().is_cpu() ? Path::general : Path::reference;
   const bool haar = o.wavelet() == "haar" || o.wavelet() == "db1";
   // Haar's zero mode pads odd lengths with zeros, which keeps blocks local; the other modes agree
   // with it only when no padding is needed.
@@ -410,6 +412,8 @@ kernels::WaveletAdamArgs general_args(const Work& work, double step_size) {
   args.boundary = boundary_kind(work.options->boundary());
   args.workspace = work.workspace.data_ptr();
   args.coeff_len = work.workspace.size(1);
+  args.threshold = work.options->threshold();
+  args.threshold_soft = work.options->threshold_mode() == "soft";
   return args;
 }
 
@@ -453,9 +457,19 @@ void fused_update(const Work& work, WaveletAdamParamState& state, double step_si
         state.norm(at::scalar_tensor(norm / lim, acc));
       }
     }
-    if (work.path == Path::general)
-      kernels::wavelet_adam_update_cpu(general_args(work, step_size), lim);
-    else
+    if (work.path == Path::general) {
+      kernels::WaveletAdamArgs args = general_args(work, step_size);
+      at::Tensor kept;
+      if (args.threshold > 0) {
+        kept = at::zeros({args.rows}, at::kLong);
+        args.kept_per_row = kept.data_ptr<int64_t>();
+      }
+      kernels::wavelet_adam_update_cpu(args, lim);
+      if (kept.defined())
+        state.kept_details(kept.sum().item<int64_t>())
+            .total_details(args.rows * (args.coeff_len - args.approx_len));
+    } else
+
       kernels::haar_adam_update_cpu(haar_args(work, step_size), lim);
     return;
   }

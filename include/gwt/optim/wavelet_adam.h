@@ -122,7 +122,8 @@ class WaveletAdam : public torch::optim::Optimizer {
   /// Whether `param` takes the wavelet path under its group's options.
   bool is_wavelet_param(const at::Tensor& param) const;
   /// With thresholding: detail coefficients kept and in all at the last step, over every parameter
-  /// that has been thresholded ({kept, total}; kept / total is the compression ratio of the details).
+  /// that has been thresholded ({kept, total}; kept / total is the compression ratio of the
+  /// details).
   std::pair<int64_t, int64_t> kept_details() const;
   /// Whether `param`'s step runs in a fused kernel (else the ATen reference).
   bool is_fused_param(const at::Tensor& param) const;
