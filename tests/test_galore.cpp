@@ -138,6 +138,26 @@ TEST(GaLoreAdam, IllConditionedGradientsDoNotProduceNaN) {
   EXPECT_EQ(opt.skipped_steps(), 0);
 }
 
+TEST(GaLoreAdam, GradientThatProjectsToInfinitySkipsTheStep) {
+  // Finite float32 values near the top of the range: the projection R = G Vr^T overflows. The step
+  // is skipped like a non-finite gradient, with nothing changed (no new projector either).
+  at::Tensor p = at::randn({12, 8}).requires_grad_(true);
+  GaLoreAdam opt({p}, GaLoreAdamOptions(0.01).rank(3).update_proj_gap(1));
+  p.mutable_grad() = at::randn({12, 8});
+  opt.step();
+  const at::Tensor before = p.detach().clone(), projector = state_of(opt, p).projector().clone();
+  p.mutable_grad() = at::full({12, 8}, 3e38f);
+  opt.step();
+  EXPECT_EQ(opt.skipped_steps(), 1);
+  EXPECT_TRUE(at::equal(p, before));
+  EXPECT_TRUE(at::equal(state_of(opt, p).projector(), projector));
+  EXPECT_EQ(state_of(opt, p).step(), 1);
+  p.mutable_grad() = at::randn({12, 8});
+  opt.step();
+  EXPECT_TRUE(at::isfinite(p).all().item<bool>());
+  EXPECT_EQ(state_of(opt, p).step(), 2);
+}
+
 TEST(GaLoreAdam, RandomizedSvdQualityAgainstTheExactOne) {
   // A rank-8 matrix plus noise: the randomized projector captures the same energy as the exact one.
   at::manual_seed(7);

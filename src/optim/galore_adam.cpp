@@ -287,7 +287,48 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
     return loss;
   }
 
-  for (const auto& w : work) {
+  // Projection of every projected gradient, before anything changes: a finite gradient can still
+  // project to infinity in float32 (values near the top of the range), and such a step is skipped
+  // like a non-finite gradient. New projectors are committed only with the step.
+  struct Projection {
+    at::Tensor projector, projected;
+    bool fallback = false;
+  };
+  std::vector<Projection> projections(work.size());
+  std::vector<at::Tensor> projected_all;
+  for (const auto k : c10::irange(work.size())) {
+    const auto& w = work[k];
+    if (!w.plan.projected) continue;
+    const GaLoreAdamOptions& o = *w.options;
+    const at::ScalarType dtype = optim_detail::compute_dtype(w.param);
+    const at::Tensor grad = w.param.grad().to(dtype);
+    auto it = state_.find(w.param.unsafeGetTensorImpl());
+    const GaLoreAdamParamState* state =
+        it == state_.end() ? nullptr : static_cast<const GaLoreAdamParamState*>(it->second.get());
+    const int64_t iteration =
+        state == nullptr ? 0 : state->step();  // refresh at 0, gap, 2 gap, ...
+    Projection& pr = projections[k];
+    if (state != nullptr && state->projector().defined()) pr.projector = state->projector();
+    if (!pr.projector.defined() || iteration % o.update_proj_gap() == 0) {
+      if (auto fresh = fresh_projector(grad, o, w.plan, iteration)) {
+        pr.projector = fresh->to(dtype);
+      } else {
+        pr.fallback = true;
+        if (!pr.projector.defined()) pr.projector = coordinate_projector(w.param, w.plan, dtype);
+      }
+    }
+    // m >= n (std): R = G Vr^T; otherwise R = Ur^T G.
+    pr.projected =
+        w.plan.right ? at::matmul(grad, pr.projector.t()) : at::matmul(pr.projector.t(), grad);
+    projected_all.push_back(pr.projected);
+  }
+  if (!projected_all.empty() && !optim_detail::all_finite(projected_all)) {
+    ++skipped_steps_;
+    return loss;
+  }
+
+  for (const auto k : c10::irange(work.size())) {
+    const auto& w = work[k];
     const GaLoreAdamOptions& o = *w.options;
     const at::ScalarType dtype = optim_detail::compute_dtype(w.param);
     auto& slot = state_[w.param.unsafeGetTensorImpl()];
@@ -299,36 +340,28 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
       slot = std::move(fresh);
     }
     auto& state = static_cast<GaLoreAdamParamState&>(*slot);
-    const int64_t iteration = state.step();  // GaLore refreshes at iterations 0, gap, 2 gap, ...
-    state.step(iteration + 1);
+    state.step(state.step() + 1);
     const double step_size =
         optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), state.step());
     const auto [beta1, beta2] = o.betas();
     at::Tensor param = w.param.scalar_type() == dtype ? w.param : w.param.to(dtype);
-    const at::Tensor grad = w.param.grad().to(dtype);
 
     if (!w.plan.projected) {
+      const at::Tensor grad = w.param.grad().to(dtype);
       state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
       state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
       param.addcdiv_(state.exp_avg(), state.exp_avg_sq().sqrt().add_(o.eps()), -step_size);
     } else {
-      if (!state.projector().defined() || iteration % o.update_proj_gap() == 0) {
-        if (auto fresh = fresh_projector(grad, o, w.plan, iteration)) {
-          state.projector(fresh->to(dtype));
-        } else {
-          ++svd_fallbacks_;
-          if (!state.projector().defined())
-            state.projector(coordinate_projector(w.param, w.plan, dtype));
-        }
-        state.right(w.plan.right);
-      }
-      const at::Tensor& p = state.projector();
-      // m >= n (std): R = G Vr^T and back N Vr; otherwise R = Ur^T G and back Ur N.
-      const at::Tensor projected = w.plan.right ? at::matmul(grad, p.t()) : at::matmul(p.t(), grad);
-      state.exp_avg().mul_(beta1).add_(projected, 1 - beta1);
-      state.exp_avg_sq().mul_(beta2).addcmul_(projected, projected, 1 - beta2);
+      const Projection& pr = projections[k];
+      if (pr.fallback) ++svd_fallbacks_;
+      state.projector(pr.projector);
+      state.right(w.plan.right);
+      state.exp_avg().mul_(beta1).add_(pr.projected, 1 - beta1);
+      state.exp_avg_sq().mul_(beta2).addcmul_(pr.projected, pr.projected, 1 - beta2);
       const at::Tensor normalized = state.exp_avg() / state.exp_avg_sq().sqrt().add_(o.eps());
-      const at::Tensor back = w.plan.right ? at::matmul(normalized, p) : at::matmul(p, normalized);
+      // Back: N Vr (right) or Ur N (left), times scale.
+      const at::Tensor back = w.plan.right ? at::matmul(normalized, pr.projector)
+                                           : at::matmul(pr.projector, normalized);
       param.add_(back, -step_size * o.scale());
     }
     if (o.weight_decay() != 0) param.add_(param, -o.lr() * o.weight_decay());
