@@ -1,310 +1,26 @@
-// CPU body of the general fused WaveletAdam passes: any filter, zero / periodization / symmetric.
-//
-// Per row: the DWT cascade writes every level's coefficients into the workspace (norm pass); the
-// update pass normalises them in place and runs the IDWT cascade into a per-thread scratch row.
-// The formulas are those of src/transform.cpp (PyWavelets' conventions), written as loops.
+// CPU entry of the general fused WaveletAdam passes: picks the AVX2 build of the body when the CPU
+// has it (x86-64), the baseline build otherwise.
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
-#include <c10/util/Half.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <type_traits>
-#include <vector>
-
-#include "gwt/kernels.h"
+#define GWT_KERNEL_NS baseline
+#include "wavelet_adam_cpu_impl.h"
 
 namespace gwt {
 namespace kernels {
+
+#if defined(GWT_HAVE_AVX2_KERNELS)
+namespace avx2 {
+double wavelet_adam_norm_sq_entry(const WaveletAdamArgs& args);
+void wavelet_adam_update_entry(const WaveletAdamArgs& args, double lim);
+}  // namespace avx2
 namespace {
-
-int64_t coeff_len(int64_t n, int64_t taps, Boundary b) {
-  return b == Boundary::periodization ? (n + 1) / 2 : (n + taps - 1) / 2;
-}
-
-int64_t positive_mod(int64_t a, int64_t m) {
-  return ((a % m) + m) % m;
-}
-
-// Extended-signal sample t of a length-n row (PyWavelets' modes); -1 means zero.
-int64_t source_index(int64_t t, int64_t n, Boundary b) {
-  if (t >= 0 && t < n) return t;
-  switch (b) {
-    case Boundary::zero:
-      return -1;
-    case Boundary::symmetric: {
-      const int64_t r = positive_mod(t, 2 * n);
-      return r < n ? r : 2 * n - 1 - r;
-    }
-    case Boundary::periodization: {
-      const int64_t period = n + (n % 2);
-      const int64_t r = positive_mod(t, period);
-      return r < n ? r : n - 1;
-    }
-  }
-  return -1;
-}
-
-template <typename P, typename S, typename Acc>
-class GeneralAdam {
- public:
-  using acc_t = Acc;
-
-  explicit GeneralAdam(const WaveletAdamArgs& args) : a_(args), taps_(args.filter_length) {
-    for (int64_t k = 0; k < taps_; ++k) {
-      dec_lo_.push_back(static_cast<Acc>(args.dec_lo[k]));
-      dec_hi_.push_back(static_cast<Acc>(args.dec_hi[k]));
-      // The reversed filters (PyWavelets' rec_lo / rec_hi) are what the analysis windows meet.
-      rec_lo_.insert(rec_lo_.begin(), static_cast<Acc>(args.dec_lo[k]));
-      rec_hi_.insert(rec_hi_.begin(), static_cast<Acc>(args.dec_hi[k]));
-    }
-    lengths_.push_back(args.n);
-    for (int64_t l = 0; l < args.level; ++l)
-      lengths_.push_back(coeff_len(lengths_.back(), taps_, args.boundary));
-    TORCH_INTERNAL_ASSERT(lengths_.back() == args.approx_len);
-    // Workspace layout per row: [A_L | D_L | D_{L-1} | ... | D_1].
-    int64_t offset = args.approx_len;
-    detail_offset_.resize(static_cast<size_t>(args.level + 1));
-    for (int64_t l = args.level; l >= 1; --l) {
-      detail_offset_[l] = offset;
-      offset += lengths_[l];
-    }
-    TORCH_INTERNAL_ASSERT(offset == args.coeff_len);
-    scratch_len_ = args.n + 2 * taps_ + 8;
-  }
-
-  double norm_sq() const {
-    std::vector<double> partial(static_cast<size_t>(a_.rows), 0.0);
-    at::parallel_for(0, a_.rows, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<Acc> x(scratch_len_), y(scratch_len_);
-      for (int64_t r = r0; r < r1; ++r) partial[r] = row_norm_sq(r, x.data(), y.data());
-    });
-    double sum = 0;
-    for (double p : partial) sum += p;
-    return sum;
-  }
-
-  void update(Acc lim) const {
-    at::parallel_for(0, a_.rows, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<Acc> x(scratch_len_), y(scratch_len_), den(static_cast<size_t>(a_.approx_len));
-      std::vector<Acc> even(scratch_len_), odd(scratch_len_);
-      for (int64_t r = r0; r < r1; ++r)
-        row_update(r, lim, x.data(), y.data(), den.data(), even.data(), odd.data());
-    });
-  }
-
- private:
-  Acc* workspace_row(int64_t r) const { return static_cast<Acc*>(a_.workspace) + r * a_.coeff_len; }
-
-  // One analysis level: coeff[o] = sum_k ext[2o + k + offset] * rec[k]. The interior, where no
-  // tap leaves the row, runs tap by tap over all outputs (vectorisable); the edges use the mode.
-  void dwt_level(const Acc* x, int64_t n, Acc* approx, Acc* detail) const {
-    const int64_t len = coeff_len(n, taps_, a_.boundary);
-    const int64_t offset = a_.boundary == Boundary::periodization ? 1 - taps_ / 2 : 2 - taps_;
-    // Interior outputs: 0 <= 2o + offset and 2o + offset + taps <= n.
-    const int64_t first = std::min(len, std::max<int64_t>(0, (1 - offset) / 2));
-    const int64_t last = std::max(first, std::min(len, (n - taps_ - offset) / 2 + 1));
-    auto edge = [&](int64_t o) {
-      Acc lo = 0, hi = 0;
-      for (int64_t k = 0; k < taps_; ++k) {
-        const int64_t s = source_index(2 * o + offset + k, n, a_.boundary);
-        if (s < 0) continue;
-        lo += x[s] * rec_lo_[k];
-        hi += x[s] * rec_hi_[k];
-      }
-      approx[o] = lo;
-      detail[o] = hi;
-    };
-    for (int64_t o = 0; o < first; ++o) edge(o);
-    for (int64_t o = first; o < last; ++o) approx[o] = detail[o] = 0;
-    for (int64_t k = 0; k < taps_; ++k) {
-      const Acc lo = rec_lo_[k], hi = rec_hi_[k];
-      const Acc* src = x + offset + k;
-      for (int64_t o = first; o < last; ++o) {
-        approx[o] += lo * src[2 * o];
-        detail[o] += hi * src[2 * o];
-      }
-    }
-    for (int64_t o = last; o < len; ++o) edge(o);
-  }
-
-  // One synthesis level from len coefficients each; returns the output length.
-  // out[2m + e] = sum_q dec_lo[j] a[m + q] + dec_hi[j] d[m + q],  j = phase + 2q - e in [0, F);
-  // zero/symmetric: q in [0, F/2), m in [0, len - F/2]; periodization: indices mod len.
-  int64_t idwt_level(const Acc* approx, const Acc* detail, int64_t len, Acc* out, Acc* even,
-                     Acc* odd) const {
-    const bool periodic = a_.boundary == Boundary::periodization;
-    const int64_t phase = periodic ? taps_ / 2 : 1;
-    const int64_t q_lo = periodic ? -((taps_ / 2 + 1) / 2) : 0;
-    const int64_t q_hi = periodic ? (taps_ / 2 + 1) / 2 : taps_ / 2 - 1;
-    const int64_t outputs = periodic ? len : len - taps_ / 2 + 1;
-    // Interior m: every index m + q inside [0, len) (always, outside periodization).
-    const int64_t first = periodic ? std::min(outputs, std::max<int64_t>(0, -q_lo)) : 0;
-    const int64_t last = periodic ? std::max(first, std::min(outputs, len - q_hi)) : outputs;
-    for (int64_t m = first; m < last; ++m) even[m] = odd[m] = 0;
-    for (int64_t q = q_lo; q <= q_hi; ++q) {
-      for (int64_t e = 0; e < 2; ++e) {
-        const int64_t j = phase + 2 * q - e;
-        if (j < 0 || j >= taps_) continue;
-        const Acc lo = dec_lo_[j], hi = dec_hi_[j];
-        Acc* dst = e == 0 ? even : odd;
-        const Acc* a = approx + q;
-        const Acc* d = detail + q;
-        for (int64_t m = first; m < last; ++m) dst[m] += lo * a[m] + hi * d[m];
-      }
-    }
-    auto edge = [&](int64_t m) {
-      Acc sums[2] = {0, 0};
-      for (int64_t q = q_lo; q <= q_hi; ++q) {
-        const int64_t i = positive_mod(m + q, len);
-        for (int64_t e = 0; e < 2; ++e) {
-          const int64_t j = phase + 2 * q - e;
-          if (j >= 0 && j < taps_) sums[e] += dec_lo_[j] * approx[i] + dec_hi_[j] * detail[i];
-        }
-      }
-      even[m] = sums[0];
-      odd[m] = sums[1];
-    };
-    for (int64_t m = 0; m < first; ++m) edge(m);
-    for (int64_t m = last; m < outputs; ++m) edge(m);
-    for (int64_t m = 0; m < outputs; ++m) {
-      out[2 * m] = even[m];
-      out[2 * m + 1] = odd[m];
-    }
-    return 2 * outputs;
-  }
-
-  struct Moments {
-    Acc m, v;
-  };
-  Moments new_moments(const S* m, const S* v, int64_t j, Acc x) const {
-    const Acc b1 = static_cast<Acc>(a_.beta1), b2 = static_cast<Acc>(a_.beta2);
-    const Acc c1 = static_cast<Acc>(1 - a_.beta1), c2 = static_cast<Acc>(1 - a_.beta2);
-    return {static_cast<Acc>(static_cast<S>(b1 * static_cast<Acc>(m[j]) + c1 * x)),
-            static_cast<Acc>(static_cast<S>(b2 * static_cast<Acc>(v[j]) + c2 * x * x))};
-  }
-
-  // Norm pass of a row: the DWT cascade into the workspace, then sum (m' / (sqrt(v') + eps))^2.
-  double row_norm_sq(int64_t r, Acc* x, Acc* y) const {
-    const P* g = static_cast<const P*>(a_.grad) + r * a_.n;
-    for (int64_t i = 0; i < a_.n; ++i) x[i] = static_cast<Acc>(g[i]);
-    Acc* w = workspace_row(r);
-    for (int64_t l = 1; l <= a_.level; ++l) {
-      Acc* approx = l == a_.level ? w : y;
-      dwt_level(x, lengths_[l - 1], approx, w + detail_offset_[l]);
-      if (l < a_.level) std::copy(y, y + lengths_[l], x);
-    }
-    const S* m = static_cast<const S*>(a_.exp_avg) + r * a_.approx_len;
-    const S* v = static_cast<const S*>(a_.exp_avg_sq) + r * a_.approx_len;
-    const Acc eps = static_cast<Acc>(a_.eps);
-    double sum = 0;
-    for (int64_t j = 0; j < a_.approx_len; ++j) {
-      const Moments mv = new_moments(m, v, j, w[j]);
-      const Acc normalized = mv.m / (std::sqrt(mv.v) + eps);
-      sum += static_cast<double>(normalized * normalized);
-    }
-    return sum;
-  }
-
-  // Update pass of a row: moments stored, coefficients normalised in place, IDWT, p updated.
-  void row_update(int64_t r, Acc lim, Acc* x, Acc* y, Acc* den, Acc* even, Acc* odd) const {
-    Acc* w = workspace_row(r);
-    S* m = static_cast<S*>(a_.exp_avg) + r * a_.approx_len;
-    S* v = static_cast<S*>(a_.exp_avg_sq) + r * a_.approx_len;
-    const Acc eps = static_cast<Acc>(a_.eps);
-    for (int64_t j = 0; j < a_.approx_len; ++j) {
-      const Moments mv = new_moments(m, v, j, w[j]);
-      m[j] = static_cast<S>(mv.m);
-      v[j] = static_cast<S>(mv.v);
-      den[j] = (std::sqrt(mv.v) + eps) * lim;
-      w[j] = mv.m / den[j];
-    }
-    // Details thresholded first when asked (PyWavelets' rules: soft x * max(1 - t / |x|, 0) with
-    // 0 kept 0, hard 0 where |x| < t), then divided: detail i at level l shares the denominator of
-    // coefficient i >> (L - l).
-    const Acc t = static_cast<Acc>(a_.threshold);
-    int64_t kept = 0;
-    for (int64_t l = a_.level; l >= 1; --l) {
-      Acc* d = w + detail_offset_[l];
-      const int64_t shift = a_.level - l;
-      for (int64_t i = 0; i < lengths_[l]; ++i) {
-        if (a_.threshold > 0) {
-          const Acc magnitude = std::abs(d[i]);
-          if (a_.threshold_soft)
-            d[i] = magnitude == 0 ? Acc(0) : d[i] * std::max(Acc(1) - t / magnitude, Acc(0));
-          else if (magnitude < t)
-            d[i] = 0;
-          kept += d[i] != 0;
-        }
-        d[i] /= den[i >> shift];
-      }
-    }
-    if (a_.kept_per_row != nullptr) a_.kept_per_row[r] = kept;
-    // IDWT cascade, coarsest first, dropping a trailing sample when one longer than the detail.
-    std::copy(w, w + a_.approx_len, x);
-    int64_t len = a_.approx_len;
-    for (int64_t l = a_.level; l >= 1; --l) {
-      const int64_t detail_len = lengths_[l];
-      if (len == detail_len + 1) len = detail_len;
-      TORCH_INTERNAL_ASSERT(len == detail_len);
-      len = idwt_level(x, w + detail_offset_[l], len, y, even, odd);
-      std::copy(y, y + len, x);
-    }
-    TORCH_INTERNAL_ASSERT(len >= a_.n);
-    P* p = static_cast<P*>(a_.param) + r * a_.n;
-    const Acc step = static_cast<Acc>(a_.step_size), keep = static_cast<Acc>(-a_.decay);
-    for (int64_t i = 0; i < a_.n; ++i) {
-      Acc value = static_cast<Acc>(p[i]) - step * x[i];
-      value = value + keep * value;
-      p[i] = static_cast<P>(value);
-    }
-  }
-
-  const WaveletAdamArgs& a_;
-  int64_t taps_;
-  std::vector<Acc> dec_lo_, dec_hi_, rec_lo_, rec_hi_;
-  std::vector<int64_t> lengths_;        // lengths_[l]: coefficients per subband at level l
-  std::vector<int64_t> detail_offset_;  // where D_l starts in a workspace row
-  size_t scratch_len_;
-};
-
-template <typename P, typename Fn>
-auto with_state(const WaveletAdamArgs& args, Fn&& fn) {
-  const bool bf16_state = args.state_kind == ScalarKind::bf16;
-  if (args.math_f64) {
-    if (bf16_state) return fn(GeneralAdam<P, c10::BFloat16, double>(args));
-    return fn(GeneralAdam<P, double, double>(args));
-  }
-  if (bf16_state) return fn(GeneralAdam<P, c10::BFloat16, float>(args));
-  return fn(GeneralAdam<P, float, float>(args));
-}
-
-template <typename Fn>
-auto with_types(const WaveletAdamArgs& args, Fn&& fn) {
-  TORCH_INTERNAL_ASSERT(args.level >= 1 && args.n >= 1 && args.filter_length >= 2 &&
-                        args.filter_length % 2 == 0 && args.workspace != nullptr);
-  switch (args.param_kind) {
-    case ScalarKind::f64:
-      return with_state<double>(args, fn);
-    case ScalarKind::f16:
-      return with_state<c10::Half>(args, fn);
-    case ScalarKind::bf16:
-      return with_state<c10::BFloat16>(args, fn);
-    case ScalarKind::f32:
-    default:
-      return with_state<float>(args, fn);
-  }
-}
-
+const bool k_general_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }  // namespace
+#endif
 
 int64_t wavelet_workspace_len(int64_t n, int64_t filter_length, int64_t level, Boundary boundary) {
   int64_t total = 0, len = n;
   for (int64_t l = 0; l < level; ++l) {
-    len = coeff_len(len, filter_length, boundary);
+    len = baseline::coeff_len(len, filter_length, boundary);
     total += len;  // D_l
   }
   return total + len;  // + A_L
@@ -312,15 +28,18 @@ int64_t wavelet_workspace_len(int64_t n, int64_t filter_length, int64_t level, B
 
 double wavelet_adam_norm_sq_cpu(const WaveletAdamArgs& args) {
   if (args.rows == 0) return 0.0;
-  return with_types(args, [](const auto& kernel) { return kernel.norm_sq(); });
+#if defined(GWT_HAVE_AVX2_KERNELS)
+  if (k_general_avx2) return avx2::wavelet_adam_norm_sq_entry(args);
+#endif
+  return baseline::wavelet_adam_norm_sq(args);
 }
 
 void wavelet_adam_update_cpu(const WaveletAdamArgs& args, double lim) {
   if (args.rows == 0) return;
-  with_types(args, [lim](const auto& kernel) {
-    using Acc = typename std::decay_t<decltype(kernel)>::acc_t;
-    kernel.update(static_cast<Acc>(lim));
-  });
+#if defined(GWT_HAVE_AVX2_KERNELS)
+  if (k_general_avx2) return avx2::wavelet_adam_update_entry(args, lim);
+#endif
+  baseline::wavelet_adam_update(args, lim);
 }
 
 }  // namespace kernels

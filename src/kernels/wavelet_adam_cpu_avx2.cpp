@@ -1,0 +1,14 @@
+// The general fused body compiled with -mavx2 -mfma (see CMakeLists.txt); called only after the
+// CPU reported both.
+
+#define GWT_KERNEL_NS avx2
+#include "wavelet_adam_cpu_impl.h"
+
+namespace gwt {
+namespace kernels {
+namespace avx2 {
+double wavelet_adam_norm_sq_entry(const WaveletAdamArgs& args) { return wavelet_adam_norm_sq(args); }
+void wavelet_adam_update_entry(const WaveletAdamArgs& args, double lim) { wavelet_adam_update(args, lim); }
+}  // namespace avx2
+}  // namespace kernels
+}  // namespace gwt
