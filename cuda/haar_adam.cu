@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "../src/kernels/dispatch.h"
 #include "gwt/kernels.h"
 
 namespace gwt {
@@ -76,6 +77,15 @@ __device__ __forceinline__ void new_moments(const S* m, const S* v, int64_t k, A
       static_cast<S>(b2 * static_cast<Acc>(static_cast<float>(v[k])) + (Acc(1) - b2) * x * x)));
 }
 
+// The block's approximation coefficient: its sum times 2^(-L/2) (zeros past n already loaded).
+template <typename Acc, int B>
+__device__ __forceinline__ Acc block_approx(const Acc* g, const Scalars& s) {
+  Acc sum = 0;
+#pragma unroll
+  for (int q = 0; q < B; ++q) sum += g[q];
+  return sum * static_cast<Acc>(s.approx_scale);
+}
+
 template <typename Acc>
 __device__ __forceinline__ Acc block_reduce(Acc value) {
   __shared__ Acc warp_sums[k_threads / 32];
@@ -101,10 +111,7 @@ __global__ void norm_pass(const P* __restrict__ grad, const S* __restrict__ m,
     const int64_t row = k / s.approx_len, b = k % s.approx_len;
     Acc g[B];
     load_block<Acc, P, B>(grad + row * s.n, b * B, s.n, g, vector_ok);
-    Acc a = 0;
-#pragma unroll
-    for (int q = 0; q < B; ++q) a += g[q];
-    a *= static_cast<Acc>(s.approx_scale);
+    const Acc a = block_approx<Acc, B>(g, s);
     Acc m_new, v_new;
     new_moments(m, v, k, a, s, m_new, v_new);
     const Acc normalized = m_new / (sqrt(v_new) + static_cast<Acc>(s.eps));
@@ -125,10 +132,7 @@ __global__ void update_pass(P* __restrict__ param, const P* __restrict__ grad, S
     Acc g[B], p[B];
     load_block<Acc, P, B>(grad + row * s.n, b * B, s.n, g, vector_ok);
     load_block<Acc, P, B>(param + row * s.n, b * B, s.n, p, vector_ok);
-    Acc a = 0;
-#pragma unroll
-    for (int q = 0; q < B; ++q) a += g[q];
-    a *= static_cast<Acc>(s.approx_scale);
+    const Acc a = block_approx<Acc, B>(g, s);
     Acc m_new, v_new;
     new_moments(m, v, k, a, s, m_new, v_new);
     m[k] = static_cast<S>(m_new);
@@ -195,30 +199,13 @@ void with_level(const HaarAdamArgs& a, void* out, const void* lim) {
   }
 }
 
-template <typename P>
-void with_state(const HaarAdamArgs& a, void* out, const void* lim) {
-  const bool bf16_state = a.state_kind == ScalarKind::bf16;
-  if (a.math_f64) {
-    if (bf16_state) return with_level<P, c10::BFloat16, double>(a, out, lim);
-    return with_level<P, double, double>(a, out, lim);
-  }
-  if (bf16_state) return with_level<P, c10::BFloat16, float>(a, out, lim);
-  return with_level<P, float, float>(a, out, lim);
-}
-
 void dispatch(const HaarAdamArgs& a, void* out, const void* lim) {
   TORCH_INTERNAL_ASSERT(a.approx_len == (a.n + (int64_t{1} << a.level) - 1) >> a.level);
   if (a.rows == 0) return;
-  switch (a.param_kind) {
-    case ScalarKind::f32:
-      return with_state<float>(a, out, lim);
-    case ScalarKind::f64:
-      return with_state<double>(a, out, lim);
-    case ScalarKind::f16:
-      return with_state<c10::Half>(a, out, lim);
-    case ScalarKind::bf16:
-      return with_state<c10::BFloat16>(a, out, lim);
-  }
+  with_types(a, [&](auto types) {
+    using T = decltype(types);
+    with_level<typename T::param_t, typename T::state_t, typename T::acc_t>(a, out, lim);
+  });
 }
 
 }  // namespace

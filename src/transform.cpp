@@ -34,25 +34,11 @@ int64_t positive_mod(int64_t a, int64_t m) {
   return ((a % m) + m) % m;
 }
 
-// Where sample t of the extended signal comes from, for a signal of length n. Zero mode points
-// outside samples at slot n, which the caller fills with a zero.
+// Where sample t of the extended signal comes from; zero mode points outside samples at slot n,
+// which the caller fills with a zero.
 int64_t source_index(int64_t t, int64_t n, BoundaryMode mode) {
-  switch (mode) {
-    case BoundaryMode::zero:
-      return (t >= 0 && t < n) ? t : n;
-    case BoundaryMode::symmetric: {
-      // Half-sample symmetric: ... x1 x0 | x0 x1 ... x_{n-1} | x_{n-1} x_{n-2} ...
-      const int64_t r = positive_mod(t, 2 * n);
-      return r < n ? r : 2 * n - 1 - r;
-    }
-    case BoundaryMode::periodization: {
-      // PyWavelets first repeats the last sample of an odd-length signal, then wraps.
-      const int64_t period = n + (n % 2);
-      const int64_t r = positive_mod(t, period);
-      return r < n ? r : n - 1;
-    }
-  }
-  TORCH_INTERNAL_ASSERT(false, "unhandled BoundaryMode");
+  const int64_t s = extension_index(t, n, mode);
+  return s < 0 ? n : s;
 }
 
 at::Tensor index_tensor(const std::vector<int64_t>& values, const at::Device& device) {

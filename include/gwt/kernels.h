@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "gwt/wavelet.h"
+
 namespace gwt {
 namespace kernels {
 
@@ -50,9 +52,6 @@ double haar_adam_norm_sq_cpu(const HaarAdamArgs& args);
 /// CPU update pass with limiter value lim (1 when the limiter is off or on the first step).
 void haar_adam_update_cpu(const HaarAdamArgs& args, double lim);
 
-/// Boundary modes as the kernels know them (PyWavelets' names).
-enum class Boundary : int8_t { zero, periodization, symmetric };
-
 /// Any orthogonal wavelet, any mode: the DWT of each row into a workspace, the moment update on
 /// the approximation, then the IDWT of the normalised coefficients into the parameter update.
 /// Same two passes as Haar: the norm pass writes only the workspace (the coefficients of every
@@ -61,7 +60,7 @@ struct WaveletAdamArgs : HaarAdamArgs {
   const double* dec_lo = nullptr;  ///< decomposition filters (PyWavelets), filter_length each
   const double* dec_hi = nullptr;
   int64_t filter_length = 2;
-  Boundary boundary = Boundary::zero;
+  BoundaryMode boundary = BoundaryMode::zero;
   void* workspace = nullptr;  ///< [rows, coeff_len] of the math type (double if math_f64)
   int64_t coeff_len = 0;      ///< per row: len(A_L) + len(D_L) + ... + len(D_1)
   /// PyWavelets' threshold on the details before normalisation (0 = off): soft or hard.
@@ -71,7 +70,8 @@ struct WaveletAdamArgs : HaarAdamArgs {
 };
 
 /// Per-row coefficient count of WaveletAdamArgs::workspace for a row of length n.
-int64_t wavelet_workspace_len(int64_t n, int64_t filter_length, int64_t level, Boundary boundary);
+int64_t wavelet_workspace_len(int64_t n, int64_t filter_length, int64_t level,
+                              BoundaryMode boundary);
 
 /// CPU passes of the general kernel; rows in parallel, the norm summed in row order.
 double wavelet_adam_norm_sq_cpu(const WaveletAdamArgs& args);

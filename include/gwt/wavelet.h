@@ -60,6 +60,28 @@ inline bool operator!=(const Wavelet& a, const Wavelet& b) {
   return !(a == b);
 }
 
+/// Where sample t (possibly outside [0, n)) of a length-n signal extended by `mode` comes from, as
+/// PyWavelets extends it: an index in [0, n), or -1 for a zero (zero mode). Symmetric mode
+/// reflects half-sample (x[-1] = x[0]); periodization first repeats the last sample of an
+/// odd-length signal, then wraps.
+inline int64_t extension_index(int64_t t, int64_t n, BoundaryMode mode) {
+  if (t >= 0 && t < n) return t;
+  auto wrap = [](int64_t a, int64_t m) { return ((a % m) + m) % m; };
+  switch (mode) {
+    case BoundaryMode::zero:
+      return -1;
+    case BoundaryMode::symmetric: {
+      const int64_t r = wrap(t, 2 * n);
+      return r < n ? r : 2 * n - 1 - r;
+    }
+    case BoundaryMode::periodization: {
+      const int64_t r = wrap(t, n + (n % 2));
+      return r < n ? r : n - 1;
+    }
+  }
+  return -1;
+}
+
 /// PyWavelets' `dwt_coeff_len`: length of each subband after one level on a signal of length n.
 int64_t dwt_coeff_len(int64_t n, int64_t filter_length, BoundaryMode mode);
 

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dispatch.h"
 #include "gwt/kernels.h"
 
 #ifndef GWT_KERNEL_NS
@@ -182,38 +183,21 @@ auto with_level(const HaarAdamArgs& args, Fn&& fn) {
   }
 }
 
-template <typename P, typename Fn>
-auto with_state(const HaarAdamArgs& args, Fn&& fn) {
-  const bool bf16_state = args.state_kind == ScalarKind::bf16;
-  if (args.math_f64) {
-    if (bf16_state) return with_level<P, c10::BFloat16, double>(args, fn);
-    return with_level<P, double, double>(args, fn);
-  }
-  if (bf16_state) return with_level<P, c10::BFloat16, float>(args, fn);
-  return with_level<P, float, float>(args, fn);
-}
-
+// Calls fn(kernel) with the HaarAdam instance for the argument's types and level.
 template <typename Fn>
-auto with_types(const HaarAdamArgs& args, Fn&& fn) {
-  switch (args.param_kind) {
-    case ScalarKind::f64:
-      return with_state<double>(args, fn);
-    case ScalarKind::f16:
-      return with_state<c10::Half>(args, fn);
-    case ScalarKind::bf16:
-      return with_state<c10::BFloat16>(args, fn);
-    case ScalarKind::f32:
-    default:
-      return with_state<float>(args, fn);
-  }
+auto with_kernel(const HaarAdamArgs& args, Fn&& fn) {
+  return with_types(args, [&](auto types) {
+    using T = decltype(types);
+    return with_level<typename T::param_t, typename T::state_t, typename T::acc_t>(args, fn);
+  });
 }
 
 inline double haar_adam_norm_sq(const HaarAdamArgs& args) {
-  return with_types(args, [](const auto& kernel) { return kernel.norm_sq(); });
+  return with_kernel(args, [](const auto& kernel) { return kernel.norm_sq(); });
 }
 
 inline void haar_adam_update(const HaarAdamArgs& args, double lim) {
-  with_types(args, [lim](const auto& kernel) {
+  with_kernel(args, [lim](const auto& kernel) {
     using Acc = typename std::decay_t<decltype(kernel)>::acc_t;
     kernel.update(static_cast<Acc>(lim));
   });

@@ -17,10 +17,11 @@ const bool k_general_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supp
 }  // namespace
 #endif
 
-int64_t wavelet_workspace_len(int64_t n, int64_t filter_length, int64_t level, Boundary boundary) {
+int64_t wavelet_workspace_len(int64_t n, int64_t filter_length, int64_t level,
+                              BoundaryMode boundary) {
   int64_t total = 0, len = n;
   for (int64_t l = 0; l < level; ++l) {
-    len = baseline::coeff_len(len, filter_length, boundary);
+    len = dwt_coeff_len(len, filter_length, boundary);
     total += len;  // D_l
   }
   return total + len;  // + A_L

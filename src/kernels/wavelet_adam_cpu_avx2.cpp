@@ -7,8 +7,12 @@
 namespace gwt {
 namespace kernels {
 namespace avx2 {
-double wavelet_adam_norm_sq_entry(const WaveletAdamArgs& args) { return wavelet_adam_norm_sq(args); }
-void wavelet_adam_update_entry(const WaveletAdamArgs& args, double lim) { wavelet_adam_update(args, lim); }
+double wavelet_adam_norm_sq_entry(const WaveletAdamArgs& args) {
+  return wavelet_adam_norm_sq(args);
+}
+void wavelet_adam_update_entry(const WaveletAdamArgs& args, double lim) {
+  wavelet_adam_update(args, lim);
+}
 }  // namespace avx2
 }  // namespace kernels
 }  // namespace gwt

@@ -17,8 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "dispatch.h"
 #include "gwt/kernels.h"
-
 
 #ifndef GWT_KERNEL_NS
 #error "define GWT_KERNEL_NS before including wavelet_adam_cpu_impl.h"
@@ -28,31 +28,8 @@ namespace gwt {
 namespace kernels {
 namespace GWT_KERNEL_NS {
 
-inline int64_t coeff_len(int64_t n, int64_t taps, Boundary b) {
-  return b == Boundary::periodization ? (n + 1) / 2 : (n + taps - 1) / 2;
-}
-
 inline int64_t positive_mod(int64_t a, int64_t m) {
   return ((a % m) + m) % m;
-}
-
-// Extended-signal sample t of a length-n row (PyWavelets' modes); -1 means zero.
-inline int64_t source_index(int64_t t, int64_t n, Boundary b) {
-  if (t >= 0 && t < n) return t;
-  switch (b) {
-    case Boundary::zero:
-      return -1;
-    case Boundary::symmetric: {
-      const int64_t r = positive_mod(t, 2 * n);
-      return r < n ? r : 2 * n - 1 - r;
-    }
-    case Boundary::periodization: {
-      const int64_t period = n + (n % 2);
-      const int64_t r = positive_mod(t, period);
-      return r < n ? r : n - 1;
-    }
-  }
-  return -1;
 }
 
 template <typename P, typename S, typename Acc>
@@ -70,7 +47,7 @@ class GeneralAdam {
     }
     lengths_.push_back(args.n);
     for (int64_t l = 0; l < args.level; ++l)
-      lengths_.push_back(coeff_len(lengths_.back(), taps_, args.boundary));
+      lengths_.push_back(dwt_coeff_len(lengths_.back(), taps_, args.boundary));
     TORCH_INTERNAL_ASSERT(lengths_.back() == args.approx_len);
     // Workspace layout per row: [A_L | D_L | D_{L-1} | ... | D_1].
     int64_t offset = args.approx_len;
@@ -109,15 +86,15 @@ class GeneralAdam {
   // One analysis level: coeff[o] = sum_k ext[2o + k + offset] * rec[k]. The interior, where no
   // tap leaves the row, runs tap by tap over all outputs (vectorisable); the edges use the mode.
   void dwt_level(const Acc* x, int64_t n, Acc* approx, Acc* detail) const {
-    const int64_t len = coeff_len(n, taps_, a_.boundary);
-    const int64_t offset = a_.boundary == Boundary::periodization ? 1 - taps_ / 2 : 2 - taps_;
+    const int64_t len = dwt_coeff_len(n, taps_, a_.boundary);
+    const int64_t offset = a_.boundary == BoundaryMode::periodization ? 1 - taps_ / 2 : 2 - taps_;
     // Interior outputs: 0 <= 2o + offset and 2o + offset + taps <= n.
     const int64_t first = std::min(len, std::max<int64_t>(0, (1 - offset) / 2));
     const int64_t last = std::max(first, std::min(len, (n - taps_ - offset) / 2 + 1));
     auto edge = [&](int64_t o) {
       Acc lo = 0, hi = 0;
       for (int64_t k = 0; k < taps_; ++k) {
-        const int64_t s = source_index(2 * o + offset + k, n, a_.boundary);
+        const int64_t s = extension_index(2 * o + offset + k, n, a_.boundary);
         if (s < 0) continue;
         lo += x[s] * rec_lo_[k];
         hi += x[s] * rec_hi_[k];
@@ -143,7 +120,7 @@ class GeneralAdam {
   // zero/symmetric: q in [0, F/2), m in [0, len - F/2]; periodization: indices mod len.
   int64_t idwt_level(const Acc* approx, const Acc* detail, int64_t len, Acc* out, Acc* even,
                      Acc* odd) const {
-    const bool periodic = a_.boundary == Boundary::periodization;
+    const bool periodic = a_.boundary == BoundaryMode::periodization;
     const int64_t phase = periodic ? taps_ / 2 : 1;
     const int64_t q_lo = periodic ? -((taps_ / 2 + 1) / 2) : 0;
     const int64_t q_hi = periodic ? (taps_ / 2 + 1) / 2 : taps_ / 2 - 1;
@@ -278,40 +255,23 @@ class GeneralAdam {
   size_t scratch_len_;
 };
 
-template <typename P, typename Fn>
-auto with_state(const WaveletAdamArgs& args, Fn&& fn) {
-  const bool bf16_state = args.state_kind == ScalarKind::bf16;
-  if (args.math_f64) {
-    if (bf16_state) return fn(GeneralAdam<P, c10::BFloat16, double>(args));
-    return fn(GeneralAdam<P, double, double>(args));
-  }
-  if (bf16_state) return fn(GeneralAdam<P, c10::BFloat16, float>(args));
-  return fn(GeneralAdam<P, float, float>(args));
-}
-
+// Calls fn(kernel) with the GeneralAdam instance for the argument's types.
 template <typename Fn>
-auto with_types(const WaveletAdamArgs& args, Fn&& fn) {
+auto with_kernel(const WaveletAdamArgs& args, Fn&& fn) {
   TORCH_INTERNAL_ASSERT(args.level >= 1 && args.n >= 1 && args.filter_length >= 2 &&
                         args.filter_length % 2 == 0 && args.workspace != nullptr);
-  switch (args.param_kind) {
-    case ScalarKind::f64:
-      return with_state<double>(args, fn);
-    case ScalarKind::f16:
-      return with_state<c10::Half>(args, fn);
-    case ScalarKind::bf16:
-      return with_state<c10::BFloat16>(args, fn);
-    case ScalarKind::f32:
-    default:
-      return with_state<float>(args, fn);
-  }
+  return with_types(args, [&](auto types) {
+    using T = decltype(types);
+    return fn(GeneralAdam<typename T::param_t, typename T::state_t, typename T::acc_t>(args));
+  });
 }
 
 inline double wavelet_adam_norm_sq(const WaveletAdamArgs& args) {
-  return with_types(args, [](const auto& kernel) { return kernel.norm_sq(); });
+  return with_kernel(args, [](const auto& kernel) { return kernel.norm_sq(); });
 }
 
 inline void wavelet_adam_update(const WaveletAdamArgs& args, double lim) {
-  with_types(args, [lim](const auto& kernel) {
+  with_kernel(args, [lim](const auto& kernel) {
     using Acc = typename std::decay_t<decltype(kernel)>::acc_t;
     kernel.update(static_cast<Acc>(lim));
   });

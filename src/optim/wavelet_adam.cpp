@@ -369,18 +369,6 @@ Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& 
   return haar_local ? Path::haar : Path::general;
 }
 
-kernels::Boundary boundary_kind(const std::string& name) {
-  switch (boundary_mode_from_string(name)) {
-    case BoundaryMode::zero:
-      return kernels::Boundary::zero;
-    case BoundaryMode::periodization:
-      return kernels::Boundary::periodization;
-    case BoundaryMode::symmetric:
-      return kernels::Boundary::symmetric;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unhandled BoundaryMode");
-}
-
 kernels::HaarAdamArgs haar_args(const Work& work, double step_size) {
   const WaveletAdamOptions& o = *work.options;
   const WaveletAdamParamState& state = *work.state;
@@ -409,7 +397,7 @@ kernels::WaveletAdamArgs general_args(const Work& work, double step_size) {
   args.dec_lo = work.wavelet->dec_lo().data();
   args.dec_hi = work.wavelet->dec_hi().data();
   args.filter_length = work.wavelet->length();
-  args.boundary = boundary_kind(work.options->boundary());
+  args.boundary = boundary_mode_from_string(work.options->boundary());
   args.workspace = work.workspace.data_ptr();
   args.coeff_len = work.workspace.size(1);
   args.threshold = work.options->threshold();
@@ -425,8 +413,9 @@ void fused_norm_pass(Work& work) {
   if (work.path == Path::general) {
     work.wavelet = std::make_shared<const Wavelet>(work.options->wavelet());
     const int64_t n = work.param.size(-1);
-    const int64_t len = kernels::wavelet_workspace_len(
-        n, work.wavelet->length(), work.options->level(), boundary_kind(work.options->boundary()));
+    const int64_t len =
+        kernels::wavelet_workspace_len(n, work.wavelet->length(), work.options->level(),
+                                       boundary_mode_from_string(work.options->boundary()));
     work.workspace = at::empty({work.param.numel() / n, len}, acc);
     work.norm_sq = at::scalar_tensor(kernels::wavelet_adam_norm_sq_cpu(general_args(work, 0.0)),
                                      acc.dtype(at::kDouble));
