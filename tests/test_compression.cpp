@@ -46,17 +46,30 @@ double limiter(at::Tensor& N, Spec& s, double gamma) {
   return lim;
 }
 
+// Adam's moments on the approximation; returns sqrt(v) + eps.
+at::Tensor moments(const at::Tensor& approx, Spec& s, const WaveletAdamOptions& o) {
+  const auto [b1, b2] = o.betas();
+  if (!s.m.defined()) s.m = at::zeros_like(approx), s.v = at::zeros_like(approx);
+  s.t += 1;
+  s.m = b1 * s.m + (1 - b1) * approx;
+  s.v = b2 * s.v + (1 - b2) * approx * approx;
+  return at::sqrt(s.v) + o.eps();
+}
+
+// p -= step_size * scale * U with the folded bias correction, then the decoupled decay.
+void apply(at::Tensor& p, const at::Tensor& U, const Spec& s, const WaveletAdamOptions& o) {
+  const auto [b1, b2] = o.betas();
+  const double step_size = o.lr() * std::sqrt(1 - std::pow(b2, s.t)) / (1 - std::pow(b1, s.t));
+  p = p - step_size * o.scale() * U;
+  p = p - o.lr() * o.weight_decay() * p;
+}
+
 // The 2-D rule of the compression issue: moments on LL; each detail subband at level k divided by
 // the LL denominator repeated 2^(L-k) times along both axes and cropped.
 void spec_2d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdamOptions& o) {
-  const auto [b1, b2] = o.betas();
   const auto mode = gwt::boundary_mode_from_string(o.boundary());
   auto c = gwt::wavedec2(g, o.wavelet(), o.level(), mode);
-  if (!s.m.defined()) s.m = at::zeros_like(c.approx), s.v = at::zeros_like(c.approx);
-  s.t += 1;
-  s.m = b1 * s.m + (1 - b1) * c.approx;
-  s.v = b2 * s.v + (1 - b2) * c.approx * c.approx;
-  const at::Tensor denom = at::sqrt(s.v) + o.eps();
+  const at::Tensor denom = moments(c.approx, s, o);
   at::Tensor N = s.m / denom;
   const double lim = limiter(N, s, o.norm_growth_limit());
   at::Tensor d = denom;
@@ -70,21 +83,14 @@ void spec_2d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdam
   c.approx = N;
   const at::Tensor U =
       gwt::waverec2(c, o.wavelet(), mode).slice(-2, 0, p.size(-2)).slice(-1, 0, p.size(-1));
-  const double step_size = o.lr() * std::sqrt(1 - std::pow(b2, s.t)) / (1 - std::pow(b1, s.t));
-  p = p - step_size * o.scale() * U;
-  p = p - o.lr() * o.weight_decay() * p;
+  apply(p, U, s, o);
 }
 
 // SPEC 1.1 along the last dimension, with the details thresholded before normalisation.
 void spec_1d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdamOptions& o) {
-  const auto [b1, b2] = o.betas();
   const auto mode = gwt::boundary_mode_from_string(o.boundary());
   auto c = gwt::wavedec(g, o.wavelet(), o.level(), -1, mode);
-  if (!s.m.defined()) s.m = at::zeros_like(c.approx), s.v = at::zeros_like(c.approx);
-  s.t += 1;
-  s.m = b1 * s.m + (1 - b1) * c.approx;
-  s.v = b2 * s.v + (1 - b2) * c.approx * c.approx;
-  const at::Tensor denom = at::sqrt(s.v) + o.eps();
+  const at::Tensor denom = moments(c.approx, s, o);
   at::Tensor N = s.m / denom;
   const double lim = limiter(N, s, o.norm_growth_limit());
   at::Tensor d = denom;
@@ -95,9 +101,7 @@ void spec_1d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdam
   }
   c.approx = N;
   const at::Tensor U = gwt::waverec(c, o.wavelet(), -1, mode).slice(-1, 0, p.size(-1));
-  const double step_size = o.lr() * std::sqrt(1 - std::pow(b2, s.t)) / (1 - std::pow(b1, s.t));
-  p = p - step_size * o.scale() * U;
-  p = p - o.lr() * o.weight_decay() * p;
+  apply(p, U, s, o);
 }
 
 TEST(Compression, TwoDimensionalPathFollowsTheRule) {
