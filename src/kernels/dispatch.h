@@ -1,7 +1,12 @@
 #pragma once
 
-// The one dtype dispatch of the kernel bodies (CPU and CUDA): from the runtime kinds of a
-// HaarAdamArgs to the compile-time parameter type P, moment type S and math type Acc.
+// What the kernel bodies share (CPU and CUDA host code): the dtype dispatch, from the runtime kinds
+// of a HaarAdamArgs to the compile-time parameter type P, moment type S and math type Acc, and the
+// moment update of one coefficient.
+//
+// Everything here has internal linkage (an unnamed namespace): the CPU bodies are compiled twice
+// with different instruction sets (baseline and AVX2), and an inline function shared by both would
+// let the linker keep either copy for both callers.
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -10,6 +15,7 @@
 
 namespace gwt {
 namespace kernels {
+namespace {
 
 /// The types one kernel instance works in.
 template <typename P, typename S, typename Acc>
@@ -46,5 +52,19 @@ auto with_types(const HaarAdamArgs& args, Fn&& fn) {
   }
 }
 
+/// Adam's moments of one coefficient after this step, in the math type and rounded to S as they
+/// will be stored, so that the limiter and the update see what the next step will read.
+template <typename S, typename Acc>
+struct NewMoments {
+  Acc m, v;
+  NewMoments(const HaarAdamArgs& a, S m_old, S v_old, Acc x) {
+    const Acc b1 = static_cast<Acc>(a.beta1), b2 = static_cast<Acc>(a.beta2);
+    const Acc c1 = static_cast<Acc>(1 - a.beta1), c2 = static_cast<Acc>(1 - a.beta2);
+    m = static_cast<Acc>(static_cast<S>(b1 * static_cast<Acc>(m_old) + c1 * x));
+    v = static_cast<Acc>(static_cast<S>(b2 * static_cast<Acc>(v_old) + c2 * x * x));
+  }
+};
+
+}  // namespace
 }  // namespace kernels
 }  // namespace gwt

@@ -93,17 +93,6 @@ class HaarAdam {
     }
   }
 
-  // The new moments of coefficient j in the math type, rounded to S as they will be stored.
-  struct Moments {
-    Acc m, v;
-  };
-  Moments new_moments(const S* m, const S* v, int64_t j, Acc x) const {
-    const Acc b1 = static_cast<Acc>(a_.beta1), b2 = static_cast<Acc>(a_.beta2);
-    const Acc c1 = static_cast<Acc>(1 - a_.beta1), c2 = static_cast<Acc>(1 - a_.beta2);
-    return {static_cast<Acc>(static_cast<S>(b1 * static_cast<Acc>(m[j]) + c1 * x)),
-            static_cast<Acc>(static_cast<S>(b2 * static_cast<Acc>(v[j]) + c2 * x * x))};
-  }
-
   // Norm pass of one tile: sum of (m' / (sqrt(v') + eps))^2. Reads only.
   double tile_norm_sq(int64_t t, Acc* approx) const {
     const Tile tl = tile(t);
@@ -113,7 +102,7 @@ class HaarAdam {
     const Acc eps = static_cast<Acc>(a_.eps);
     Acc sum = 0;
     for (int64_t j = 0; j < tl.count; ++j) {
-      const Moments mv = new_moments(m, v, j, approx[j]);
+      const NewMoments<S, Acc> mv(a_, m[j], v[j], approx[j]);
       const Acc normalized = mv.m / (std::sqrt(mv.v) + eps);
       sum += normalized * normalized;
     }
@@ -131,7 +120,7 @@ class HaarAdam {
     // approx[j] becomes the block's shift, factor[j] its step / denominator.
     Acc factor[k_tile];
     for (int64_t j = 0; j < tl.count; ++j) {
-      const Moments mv = new_moments(m, v, j, approx[j]);
+      const NewMoments<S, Acc> mv(a_, m[j], v[j], approx[j]);
       m[j] = static_cast<S>(mv.m);
       v[j] = static_cast<S>(mv.v);
       factor[j] = step / ((std::sqrt(mv.v) + eps) * lim);

@@ -161,16 +161,6 @@ class GeneralAdam {
     return 2 * outputs;
   }
 
-  struct Moments {
-    Acc m, v;
-  };
-  Moments new_moments(const S* m, const S* v, int64_t j, Acc x) const {
-    const Acc b1 = static_cast<Acc>(a_.beta1), b2 = static_cast<Acc>(a_.beta2);
-    const Acc c1 = static_cast<Acc>(1 - a_.beta1), c2 = static_cast<Acc>(1 - a_.beta2);
-    return {static_cast<Acc>(static_cast<S>(b1 * static_cast<Acc>(m[j]) + c1 * x)),
-            static_cast<Acc>(static_cast<S>(b2 * static_cast<Acc>(v[j]) + c2 * x * x))};
-  }
-
   // Norm pass of a row: the DWT cascade into the workspace, then sum (m' / (sqrt(v') + eps))^2.
   double row_norm_sq(int64_t r, Acc* x, Acc* y) const {
     const P* g = static_cast<const P*>(a_.grad) + r * a_.n;
@@ -186,7 +176,7 @@ class GeneralAdam {
     const Acc eps = static_cast<Acc>(a_.eps);
     double sum = 0;
     for (int64_t j = 0; j < a_.approx_len; ++j) {
-      const Moments mv = new_moments(m, v, j, w[j]);
+      const NewMoments<S, Acc> mv(a_, m[j], v[j], w[j]);
       const Acc normalized = mv.m / (std::sqrt(mv.v) + eps);
       sum += static_cast<double>(normalized * normalized);
     }
@@ -200,7 +190,7 @@ class GeneralAdam {
     S* v = static_cast<S*>(a_.exp_avg_sq) + r * a_.approx_len;
     const Acc eps = static_cast<Acc>(a_.eps);
     for (int64_t j = 0; j < a_.approx_len; ++j) {
-      const Moments mv = new_moments(m, v, j, w[j]);
+      const NewMoments<S, Acc> mv(a_, m[j], v[j], w[j]);
       m[j] = static_cast<S>(mv.m);
       v[j] = static_cast<S>(mv.v);
       den[j] = (std::sqrt(mv.v) + eps) * lim;
