@@ -18,6 +18,7 @@
 
 #include "dispatch.h"
 #include "gwt/kernels.h"
+#include "haar_simd_avx2.h"
 
 #ifndef GWT_KERNEL_NS
 #error "define GWT_KERNEL_NS before including haar_adam_cpu_impl.h"
@@ -36,6 +37,13 @@ template <typename P, typename S, typename Acc, int B>
 class HaarAdam {
  public:
   using acc_t = Acc;
+#ifdef GWT_HAAR_SIMD
+  // float parameters and moments at level 1..3 take the AVX2 loops (haar_simd_avx2.h).
+  static constexpr bool k_simd = std::is_same_v<P, float> && std::is_same_v<S, float> &&
+                                 std::is_same_v<Acc, float> && (B == 2 || B == 4 || B == 8);
+#else
+  static constexpr bool k_simd = false;
+#endif
 
   explicit HaarAdam(const HaarAdamArgs& args)
       : a_(args),
@@ -74,13 +82,24 @@ class HaarAdam {
     return {row, first, std::min(k_tile, a_.approx_len - first)};
   }
 
-  // approx[j] = (sum of block first + j) * 2^(-L/2), zeros past n (PyWavelets' zero mode).
-  void block_sums(const Tile& tl, Acc* approx) const {
+  // Blocks of the tile that lie wholly inside the row (all but the row's last, partial block).
+  int64_t full_blocks(const Tile& tl) const {
+    return (tl.first + tl.count) * block_ > a_.n ? tl.count - 1 : tl.count;
+  }
+
+  // Coefficients [0, simd_count) of a tile take the vector loops, the rest the plain ones.
+  int64_t simd_count(const Tile& tl) const {
+    if constexpr (k_simd) return full_blocks(tl) / 8 * 8;
+    return 0;
+  }
+
+  // approx[j] = (sum of block first + j) * 2^(-L/2) for j in [from, count), zeros past n
+  // (PyWavelets' zero mode).
+  void block_sums(const Tile& tl, int64_t from, Acc* approx) const {
     const P* g = static_cast<const P*>(a_.grad) + tl.row * a_.n;
     const int64_t bs = block_;
-    int64_t full = tl.count;
-    if ((tl.first + tl.count) * bs > a_.n) full = tl.count - 1;  // the row's last, partial block
-    for (int64_t j = 0; j < full; ++j) {
+    const int64_t full = full_blocks(tl);
+    for (int64_t j = from; j < full; ++j) {
       const P* src = g + (tl.first + j) * bs;
       Acc sum = 0;
       for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) sum += static_cast<Acc>(src[q]);
@@ -93,15 +112,32 @@ class HaarAdam {
     }
   }
 
+#ifdef GWT_HAAR_SIMD
+  simd::StepConstants simd_constants() const {
+    return simd::StepConstants(static_cast<float>(a_.beta1), static_cast<float>(1 - a_.beta1),
+                               static_cast<float>(a_.beta2), static_cast<float>(1 - a_.beta2),
+                               static_cast<float>(a_.eps), static_cast<float>(approx_scale_));
+  }
+#endif
+
   // Norm pass of one tile: sum of (m' / (sqrt(v') + eps))^2. Reads only.
   double tile_norm_sq(int64_t t, Acc* approx) const {
     const Tile tl = tile(t);
-    block_sums(tl, approx);
+    const int64_t from = simd_count(tl);
+    block_sums(tl, from, approx);
     const S* m = static_cast<const S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
     const S* v = static_cast<const S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
     const Acc eps = static_cast<Acc>(a_.eps);
     Acc sum = 0;
-    for (int64_t j = 0; j < tl.count; ++j) {
+#ifdef GWT_HAAR_SIMD
+    if constexpr (k_simd) {
+      if (from > 0) {
+        const float* g = static_cast<const float*>(a_.grad) + tl.row * a_.n + tl.first * B;
+        sum = simd::norm_sq<B>(simd_constants(), g, m, v, from);
+      }
+    }
+#endif
+    for (int64_t j = from; j < tl.count; ++j) {
       const NewMoments<S, Acc> mv(a_, m[j], v[j], approx[j]);
       const Acc normalized = mv.m / (std::sqrt(mv.v) + eps);
       sum += normalized * normalized;
@@ -113,26 +149,32 @@ class HaarAdam {
   // p -= step_size * (g + (m' - A) 2^(-L/2)) / ((sqrt(v') + eps) lim);  p -= decay * p.
   void tile_update(int64_t t, Acc lim, Acc* approx) const {
     const Tile tl = tile(t);
-    block_sums(tl, approx);
+    const int64_t from = simd_count(tl);
+    block_sums(tl, from, approx);
     S* m = static_cast<S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
     S* v = static_cast<S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
     const Acc eps = static_cast<Acc>(a_.eps), step = static_cast<Acc>(a_.step_size);
+    const P* g = static_cast<const P*>(a_.grad) + tl.row * a_.n + tl.first * block_;
+    P* p = static_cast<P*>(a_.param) + tl.row * a_.n + tl.first * block_;
+    const Acc keep = static_cast<Acc>(-a_.decay);
+#ifdef GWT_HAAR_SIMD
+    if constexpr (k_simd) {
+      if (from > 0) simd::update<B>(simd_constants(), g, p, m, v, from, step, lim, keep);
+    }
+#endif
     // approx[j] becomes the block's shift, factor[j] its step / denominator.
     Acc factor[k_tile];
-    for (int64_t j = 0; j < tl.count; ++j) {
+    for (int64_t j = from; j < tl.count; ++j) {
       const NewMoments<S, Acc> mv(a_, m[j], v[j], approx[j]);
       m[j] = static_cast<S>(mv.m);
       v[j] = static_cast<S>(mv.v);
       factor[j] = step / ((std::sqrt(mv.v) + eps) * lim);
       approx[j] = (mv.m - approx[j]) * approx_scale_;
     }
-    const P* g = static_cast<const P*>(a_.grad) + tl.row * a_.n + tl.first * block_;
-    P* p = static_cast<P*>(a_.param) + tl.row * a_.n + tl.first * block_;
     const int64_t bs = block_;
     const int64_t elements = std::min(tl.count * bs, a_.n - tl.first * bs);
-    const Acc keep = static_cast<Acc>(-a_.decay);
     if (elements == tl.count * bs) {
-      for (int64_t j = 0; j < tl.count; ++j) {
+      for (int64_t j = from; j < tl.count; ++j) {
         const Acc f = factor[j], s = approx[j];
         for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) {
           const int64_t i = j * bs + q;
@@ -142,7 +184,7 @@ class HaarAdam {
         }
       }
     } else {
-      for (int64_t i = 0; i < elements; ++i) {
+      for (int64_t i = from * bs; i < elements; ++i) {
         const int64_t j = i / bs;
         Acc x = static_cast<Acc>(p[i]) - factor[j] * (static_cast<Acc>(g[i]) + approx[j]);
         x = x + keep * x;

@@ -1,0 +1,132 @@
+#pragma once
+
+// AVX2/FMA building blocks of the fused Haar kernel for float parameters and float moments, 8
+// approximation coefficients (8 blocks of B = 2^level elements, level 1..3) at a time. Compiled
+// only into the AVX2 build of the body (haar_adam_cpu_avx2.cpp); the baseline build and every
+// other type keep the plain loops of haar_adam_cpu_impl.h, which the tests compare against.
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define GWT_HAAR_SIMD 1
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace gwt {
+namespace kernels {
+namespace {
+namespace simd {
+
+/// Sums of 8 consecutive blocks of B floats starting at g: lane j holds block j.
+template <int B>
+inline __m256 block_sums8(const float* g);
+
+template <>
+inline __m256 block_sums8<2>(const float* g) {
+  const __m256 h = _mm256_hadd_ps(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 8));
+  // h = [b0 b1 b4 b5 | b2 b3 b6 b7] in 64-bit pairs (b0,b1) (b4,b5) (b2,b3) (b6,b7).
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xD8));
+}
+
+template <>
+inline __m256 block_sums8<4>(const float* g) {
+  const __m256 h1 = _mm256_hadd_ps(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 8));
+  const __m256 h2 = _mm256_hadd_ps(_mm256_loadu_ps(g + 16), _mm256_loadu_ps(g + 24));
+  const __m256 h = _mm256_hadd_ps(h1, h2);  // [b0 b2 b4 b6 | b1 b3 b5 b7]
+  return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+template <>
+inline __m256 block_sums8<8>(const float* g) {
+  // Two rounds of hadd leave each block's two half sums in the two 128-bit lanes.
+  const __m256 p = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 8)),
+                                  _mm256_hadd_ps(_mm256_loadu_ps(g + 16), _mm256_loadu_ps(g + 24)));
+  const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_loadu_ps(g + 32), _mm256_loadu_ps(g + 40)),
+                                  _mm256_hadd_ps(_mm256_loadu_ps(g + 48), _mm256_loadu_ps(g + 56)));
+  return _mm256_add_ps(_mm256_permute2f128_ps(p, q, 0x20), _mm256_permute2f128_ps(p, q, 0x31));
+}
+
+/// Lane i of the k-th group of 8 elements covered by 8 coefficients belongs to coefficient
+/// (8k + i) / B: the permutation that spreads the coefficients' values over those elements.
+template <int B>
+inline __m256i spread(int k) {
+  const int first = 8 * k;
+  return _mm256_setr_epi32(first / B, (first + 1) / B, (first + 2) / B, (first + 3) / B,
+                           (first + 4) / B, (first + 5) / B, (first + 6) / B, (first + 7) / B);
+}
+
+/// The scalars of one step, broadcast.
+struct StepConstants {
+  __m256 b1, c1, b2, c2, eps, scale;
+  StepConstants(float beta1, float one_minus_b1, float beta2, float one_minus_b2, float eps_,
+                float approx_scale)
+      : b1(_mm256_set1_ps(beta1)),
+        c1(_mm256_set1_ps(one_minus_b1)),
+        b2(_mm256_set1_ps(beta2)),
+        c2(_mm256_set1_ps(one_minus_b2)),
+        eps(_mm256_set1_ps(eps_)),
+        scale(_mm256_set1_ps(approx_scale)) {}
+};
+
+/// New moments and denominators of 8 coefficients with approximations a.
+struct Moments8 {
+  __m256 m, v, denom;
+  Moments8(const StepConstants& c, const float* m_old, const float* v_old, __m256 a) {
+    m = _mm256_fmadd_ps(c.b1, _mm256_loadu_ps(m_old), _mm256_mul_ps(c.c1, a));
+    v = _mm256_fmadd_ps(c.b2, _mm256_loadu_ps(v_old), _mm256_mul_ps(c.c2, _mm256_mul_ps(a, a)));
+    denom = _mm256_add_ps(_mm256_sqrt_ps(v), c.eps);
+  }
+};
+
+/// Sum of the 8 lanes, in a fixed order.
+inline float lane_sum(__m256 x) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+/// Norm pass over `count` (a multiple of 8) coefficients: sum of (m' / denom)^2.
+template <int B>
+inline float norm_sq(const StepConstants& c, const float* g, const float* m, const float* v,
+                     int64_t count) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
+    const Moments8 mv(c, m + j, v + j, a);
+    const __m256 normalized = _mm256_div_ps(mv.m, mv.denom);
+    acc = _mm256_fmadd_ps(normalized, normalized, acc);
+  }
+  return lane_sum(acc);
+}
+
+/// Update pass over `count` (a multiple of 8) coefficients and their count * B elements:
+/// m, v <- m', v';  p <- x + keep * x  with  x = p - step / (denom lim) * (g + (m' - A) scale).
+template <int B>
+inline void update(const StepConstants& c, const float* g, float* p, float* m, float* v,
+                   int64_t count, float step, float lim, float keep) {
+  const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
+  const __m256 keep_v = _mm256_set1_ps(keep);
+  for (int64_t j = 0; j < count; j += 8) {
+    const float* gj = g + j * B;
+    float* pj = p + j * B;
+    const __m256 a = _mm256_mul_ps(block_sums8<B>(gj), c.scale);
+    const Moments8 mv(c, m + j, v + j, a);
+    _mm256_storeu_ps(m + j, mv.m);
+    _mm256_storeu_ps(v + j, mv.v);
+    const __m256 factor = _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v));
+    const __m256 shift = _mm256_mul_ps(_mm256_sub_ps(mv.m, a), c.scale);
+    for (int k = 0; k < B; ++k) {
+      const __m256i idx = spread<B>(k);
+      const __m256 f = _mm256_permutevar8x32_ps(factor, idx);
+      const __m256 s = _mm256_permutevar8x32_ps(shift, idx);
+      const __m256 gs = _mm256_add_ps(_mm256_loadu_ps(gj + 8 * k), s);
+      const __m256 x = _mm256_fnmadd_ps(f, gs, _mm256_loadu_ps(pj + 8 * k));
+      _mm256_storeu_ps(pj + 8 * k, _mm256_fmadd_ps(keep_v, x, x));
+    }
+  }
+}
+
+}  // namespace simd
+}  // namespace
+}  // namespace kernels
+}  // namespace gwt
+#endif
