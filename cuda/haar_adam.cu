@@ -16,13 +16,12 @@
 #include <cstdint>
 
 #include "../src/kernels/dispatch.h"
+#include "block_reduce.cuh"
 #include "gwt/kernels.h"
 
 namespace gwt {
 namespace kernels {
 namespace {
-
-constexpr int k_threads = 256;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
@@ -84,21 +83,6 @@ __device__ __forceinline__ Acc block_approx(const Acc* g, const Scalars& s) {
 #pragma unroll
   for (int q = 0; q < B; ++q) sum += g[q];
   return sum * static_cast<Acc>(s.approx_scale);
-}
-
-template <typename Acc>
-__device__ __forceinline__ Acc block_reduce(Acc value) {
-  __shared__ Acc warp_sums[k_threads / 32];
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_down_sync(0xffffffffu, value, offset);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) warp_sums[warp] = value;
-  __syncthreads();
-  value = threadIdx.x < k_threads / 32 ? warp_sums[threadIdx.x] : Acc(0);
-  if (warp == 0)
-    for (int offset = 16; offset > 0; offset /= 2)
-      value += __shfl_down_sync(0xffffffffu, value, offset);
-  return value;
 }
 
 template <typename P, typename S, typename Acc, int B>

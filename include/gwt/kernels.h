@@ -66,7 +66,8 @@ struct WaveletAdamArgs : HaarAdamArgs {
   /// PyWavelets' threshold on the details before normalisation (0 = off): soft or hard.
   double threshold = 0;
   bool threshold_soft = true;
-  int64_t* kept_per_row = nullptr;  ///< with a threshold: [rows], details kept per row
+  int64_t* kept_per_row = nullptr;  ///< with a threshold: [rows], details kept per row (on the
+                                    ///< tensors' device)
 };
 
 /// Per-row coefficient count of WaveletAdamArgs::workspace for a row of length n.
@@ -76,6 +77,20 @@ int64_t wavelet_workspace_len(int64_t n, int64_t filter_length, int64_t level,
 /// CPU passes of the general kernel; rows in parallel, the norm summed in row order.
 double wavelet_adam_norm_sq_cpu(const WaveletAdamArgs& args);
 void wavelet_adam_update_cpu(const WaveletAdamArgs& args, double lim);
+
+/// CUDA body of the general passes, one thread block per row, on the current stream; like the
+/// Haar CUDA passes, the norm pass adds into *norm_sq_out and the update reads *lim (device
+/// scalars of the math type). Each block keeps wavelet_row_scratch_bytes() in shared memory.
+void wavelet_adam_norm_sq_cuda(const WaveletAdamArgs& args, void* norm_sq_out);
+void wavelet_adam_update_cuda(const WaveletAdamArgs& args, const void* lim);
+
+/// Shared memory the CUDA general kernel needs per block for rows of length n: two scratch rows
+/// (an intermediate approximation or synthesis output) and the denominators.
+int64_t wavelet_row_scratch_bytes(int64_t n, int64_t filter_length, int64_t level,
+                                  BoundaryMode boundary, bool math_f64);
+
+/// The most shared memory one block may have on the current CUDA device (0 without CUDA).
+int64_t wavelet_adam_cuda_max_scratch_bytes();
 
 /// Whether every one of the n values at data is finite (no NaN, no infinity). CPU, parallel,
 /// one read of the data.

@@ -64,18 +64,24 @@ inline bool operator!=(const Wavelet& a, const Wavelet& b) {
 /// PyWavelets extends it: an index in [0, n), or -1 for a zero (zero mode). Symmetric mode
 /// reflects half-sample (x[-1] = x[0]); periodization first repeats the last sample of an
 /// odd-length signal, then wraps.
-inline int64_t extension_index(int64_t t, int64_t n, BoundaryMode mode) {
+#if defined(__CUDACC__)
+#define GWT_HOST_DEVICE __host__ __device__
+#else
+#define GWT_HOST_DEVICE
+#endif
+/// (Callable from CUDA device code too: the CUDA kernels extend rows with the same rule.)
+GWT_HOST_DEVICE inline int64_t extension_index(int64_t t, int64_t n, BoundaryMode mode) {
   if (t >= 0 && t < n) return t;
-  auto wrap = [](int64_t a, int64_t m) { return ((a % m) + m) % m; };
   switch (mode) {
     case BoundaryMode::zero:
       return -1;
     case BoundaryMode::symmetric: {
-      const int64_t r = wrap(t, 2 * n);
+      const int64_t r = ((t % (2 * n)) + 2 * n) % (2 * n);
       return r < n ? r : 2 * n - 1 - r;
     }
     case BoundaryMode::periodization: {
-      const int64_t r = wrap(t, n + (n % 2));
+      const int64_t period = n + (n % 2);
+      const int64_t r = ((t % period) + period) % period;
       return r < n ? r : n - 1;
     }
   }

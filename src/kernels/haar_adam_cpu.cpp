@@ -56,6 +56,15 @@ void haar_adam_norm_sq_cuda(const HaarAdamArgs&, void*) {
 void haar_adam_update_cuda(const HaarAdamArgs&, const void*) {
   TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
 }
+void wavelet_adam_norm_sq_cuda(const WaveletAdamArgs&, void*) {
+  TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
+}
+void wavelet_adam_update_cuda(const WaveletAdamArgs&, const void*) {
+  TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
+}
+int64_t wavelet_adam_cuda_max_scratch_bytes() {
+  return 0;
+}
 #endif
 
 }  // namespace kernels

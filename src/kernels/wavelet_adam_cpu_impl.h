@@ -19,6 +19,7 @@
 
 #include "dispatch.h"
 #include "gwt/kernels.h"
+#include "wavelet_row.h"
 
 #ifndef GWT_KERNEL_NS
 #error "define GWT_KERNEL_NS before including wavelet_adam_cpu_impl.h"
@@ -28,35 +29,23 @@ namespace gwt {
 namespace kernels {
 namespace GWT_KERNEL_NS {
 
-inline int64_t positive_mod(int64_t a, int64_t m) {
-  return ((a % m) + m) % m;
-}
-
 template <typename P, typename S, typename Acc>
 class GeneralAdam {
  public:
   using acc_t = Acc;
 
-  explicit GeneralAdam(const WaveletAdamArgs& args) : a_(args), taps_(args.filter_length) {
+  explicit GeneralAdam(const WaveletAdamArgs& args)
+      : a_(args), plan_(row::make_row_plan<Acc>(args)), taps_(args.filter_length) {
     for (int64_t k = 0; k < taps_; ++k) {
-      dec_lo_.push_back(static_cast<Acc>(args.dec_lo[k]));
-      dec_hi_.push_back(static_cast<Acc>(args.dec_hi[k]));
-      // The reversed filters (PyWavelets' rec_lo / rec_hi) are what the analysis windows meet.
-      rec_lo_.insert(rec_lo_.begin(), static_cast<Acc>(args.dec_lo[k]));
-      rec_hi_.insert(rec_hi_.begin(), static_cast<Acc>(args.dec_hi[k]));
+      dec_lo_.push_back(plan_.dec_lo[k]);
+      dec_hi_.push_back(plan_.dec_hi[k]);
+      rec_lo_.push_back(plan_.rec_lo[k]);
+      rec_hi_.push_back(plan_.rec_hi[k]);
     }
-    lengths_.push_back(args.n);
-    for (int64_t l = 0; l < args.level; ++l)
-      lengths_.push_back(dwt_coeff_len(lengths_.back(), taps_, args.boundary));
+    lengths_.assign(plan_.lengths, plan_.lengths + args.level + 1);
+    detail_offset_.assign(plan_.detail_offset, plan_.detail_offset + args.level + 1);
     TORCH_INTERNAL_ASSERT(lengths_.back() == args.approx_len);
-    // Workspace layout per row: [A_L | D_L | D_{L-1} | ... | D_1].
-    int64_t offset = args.approx_len;
-    detail_offset_.resize(static_cast<size_t>(args.level + 1));
-    for (int64_t l = args.level; l >= 1; --l) {
-      detail_offset_[l] = offset;
-      offset += lengths_[l];
-    }
-    TORCH_INTERNAL_ASSERT(offset == args.coeff_len);
+    TORCH_INTERNAL_ASSERT(plan_.detail_offset[1] + lengths_[1] == args.coeff_len);
     scratch_len_ = args.n + 2 * taps_ + 8;
   }
 
@@ -91,17 +80,7 @@ class GeneralAdam {
     // Interior outputs: 0 <= 2o + offset and 2o + offset + taps <= n.
     const int64_t first = std::min(len, std::max<int64_t>(0, (1 - offset) / 2));
     const int64_t last = std::max(first, std::min(len, (n - taps_ - offset) / 2 + 1));
-    auto edge = [&](int64_t o) {
-      Acc lo = 0, hi = 0;
-      for (int64_t k = 0; k < taps_; ++k) {
-        const int64_t s = extension_index(2 * o + offset + k, n, a_.boundary);
-        if (s < 0) continue;
-        lo += x[s] * rec_lo_[k];
-        hi += x[s] * rec_hi_[k];
-      }
-      approx[o] = lo;
-      detail[o] = hi;
-    };
+    auto edge = [&](int64_t o) { row::analyze(x, n, o, plan_, approx[o], detail[o]); };
     for (int64_t o = 0; o < first; ++o) edge(o);
     for (int64_t o = first; o < last; ++o) approx[o] = detail[o] = 0;
     for (int64_t k = 0; k < taps_; ++k) {
@@ -140,18 +119,7 @@ class GeneralAdam {
         for (int64_t m = first; m < last; ++m) dst[m] += lo * a[m] + hi * d[m];
       }
     }
-    auto edge = [&](int64_t m) {
-      Acc sums[2] = {0, 0};
-      for (int64_t q = q_lo; q <= q_hi; ++q) {
-        const int64_t i = positive_mod(m + q, len);
-        for (int64_t e = 0; e < 2; ++e) {
-          const int64_t j = phase + 2 * q - e;
-          if (j >= 0 && j < taps_) sums[e] += dec_lo_[j] * approx[i] + dec_hi_[j] * detail[i];
-        }
-      }
-      even[m] = sums[0];
-      odd[m] = sums[1];
-    };
+    auto edge = [&](int64_t m) { row::synthesize(approx, detail, len, m, plan_, even[m], odd[m]); };
     for (int64_t m = 0; m < first; ++m) edge(m);
     for (int64_t m = last; m < outputs; ++m) edge(m);
     for (int64_t m = 0; m < outputs; ++m) {
@@ -206,11 +174,7 @@ class GeneralAdam {
       const int64_t shift = a_.level - l;
       for (int64_t i = 0; i < lengths_[l]; ++i) {
         if (a_.threshold > 0) {
-          const Acc magnitude = std::abs(d[i]);
-          if (a_.threshold_soft)
-            d[i] = magnitude == 0 ? Acc(0) : d[i] * std::max(Acc(1) - t / magnitude, Acc(0));
-          else if (magnitude < t)
-            d[i] = 0;
+          d[i] = row::threshold_value(d[i], t, a_.threshold_soft);
           kept += d[i] != 0;
         }
         d[i] /= den[i >> shift];
@@ -238,6 +202,7 @@ class GeneralAdam {
   }
 
   const WaveletAdamArgs& a_;
+  row::RowPlan<Acc> plan_;
   int64_t taps_;
   std::vector<Acc> dec_lo_, dec_hi_, rec_lo_, rec_hi_;
   std::vector<int64_t> lengths_;        // lengths_[l]: coefficients per subband at level l

@@ -355,16 +355,24 @@ Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& 
   if (!o.fused() || !plan.wavelet || plan.two_d || plan.dim != param.dim() - 1 ||
       !param.is_contiguous())
     return Path::reference;
-  // Thresholded details break Haar's closed form: the general CPU kernel thresholds them.
-  if (o.threshold() > 0) return param.device().is_cpu() ? Path::general : Path::reference;
   const bool haar = o.wavelet() == "haar" || o.wavelet() == "db1";
   // Haar's zero mode pads odd lengths with zeros, which keeps blocks local; the other modes agree
-  // with it only when no padding is needed.
+  // with it only when no padding is needed. Thresholded details break Haar's closed form: the
+  // general kernels threshold them.
   const int64_t block = int64_t{1} << o.level();
-  const bool haar_local = haar && (o.boundary() == "zero" || param.size(plan.dim) % block == 0);
-  if (param.is_cuda())
-    return haar_local && o.level() <= 3 && kernels::built_with_cuda() ? Path::haar
-                                                                      : Path::reference;
+  const bool haar_local =
+      haar && o.threshold() == 0 && (o.boundary() == "zero" || param.size(plan.dim) % block == 0);
+  if (param.is_cuda()) {
+    if (!kernels::built_with_cuda()) return Path::reference;
+    if (haar_local && o.level() <= 3) return Path::haar;
+    // The general CUDA kernel keeps a row's scratch in shared memory.
+    const Wavelet wavelet(o.wavelet());
+    const int64_t bytes = kernels::wavelet_row_scratch_bytes(
+        param.size(-1), wavelet.length(), o.level(), boundary_mode_from_string(o.boundary()),
+        compute_dtype(param) == at::kDouble);
+    return bytes <= kernels::wavelet_adam_cuda_max_scratch_bytes() ? Path::general
+                                                                   : Path::reference;
+  }
   if (!param.device().is_cpu()) return Path::reference;
   return haar_local ? Path::haar : Path::general;
 }
@@ -417,8 +425,13 @@ void fused_norm_pass(Work& work) {
         kernels::wavelet_workspace_len(n, work.wavelet->length(), work.options->level(),
                                        boundary_mode_from_string(work.options->boundary()));
     work.workspace = at::empty({work.param.numel() / n, len}, acc);
-    work.norm_sq = at::scalar_tensor(kernels::wavelet_adam_norm_sq_cpu(general_args(work, 0.0)),
-                                     acc.dtype(at::kDouble));
+    if (work.param.is_cuda()) {
+      work.norm_sq = at::zeros({}, acc);
+      kernels::wavelet_adam_norm_sq_cuda(general_args(work, 0.0), work.norm_sq.data_ptr());
+    } else {
+      work.norm_sq = at::scalar_tensor(kernels::wavelet_adam_norm_sq_cpu(general_args(work, 0.0)),
+                                       acc.dtype(at::kDouble));
+    }
     return;
   }
   const kernels::HaarAdamArgs args = haar_args(work, 0.0);
@@ -428,6 +441,24 @@ void fused_norm_pass(Work& work) {
   } else {
     work.norm_sq = at::scalar_tensor(kernels::haar_adam_norm_sq_cpu(args), acc.dtype(at::kDouble));
   }
+}
+
+// Update pass of the general kernels (run_kernel calls the CPU or CUDA body), with the count of
+// thresholded details kept; counting them is the one synchronisation with a device, and only
+// with a threshold.
+template <typename RunKernel>
+void general_update(const Work& work, WaveletAdamParamState& state, double step_size,
+                    RunKernel&& run_kernel) {
+  kernels::WaveletAdamArgs args = general_args(work, step_size);
+  at::Tensor kept;
+  if (args.threshold > 0) {
+    kept = at::zeros({args.rows}, work.param.options().dtype(at::kLong));
+    args.kept_per_row = kept.data_ptr<int64_t>();
+  }
+  run_kernel(args);
+  if (kept.defined())
+    state.kept_details(kept.sum().item<int64_t>())
+        .total_details(args.rows * (args.coeff_len - args.approx_len));
 }
 
 // Update pass: the limiter of SPEC 1.1 from the norm pass's result, then the kernel.
@@ -446,19 +477,11 @@ void fused_update(const Work& work, WaveletAdamParamState& state, double step_si
         state.norm(at::scalar_tensor(norm / lim, acc));
       }
     }
-    if (work.path == Path::general) {
-      kernels::WaveletAdamArgs args = general_args(work, step_size);
-      at::Tensor kept;
-      if (args.threshold > 0) {
-        kept = at::zeros({args.rows}, at::kLong);
-        args.kept_per_row = kept.data_ptr<int64_t>();
-      }
-      kernels::wavelet_adam_update_cpu(args, lim);
-      if (kept.defined())
-        state.kept_details(kept.sum().item<int64_t>())
-            .total_details(args.rows * (args.coeff_len - args.approx_len));
-    } else
-
+    if (work.path == Path::general)
+      general_update(work, state, step_size, [lim](const kernels::WaveletAdamArgs& args) {
+        kernels::wavelet_adam_update_cpu(args, lim);
+      });
+    else
       kernels::haar_adam_update_cpu(haar_args(work, step_size), lim);
     return;
   }
@@ -473,7 +496,12 @@ void fused_update(const Work& work, WaveletAdamParamState& state, double step_si
       state.norm(norm / lim);
     }
   }
-  kernels::haar_adam_update_cuda(haar_args(work, step_size), lim.data_ptr());
+  if (work.path == Path::general)
+    general_update(work, state, step_size, [&lim](const kernels::WaveletAdamArgs& args) {
+      kernels::wavelet_adam_update_cuda(args, lim.data_ptr());
+    });
+  else
+    kernels::haar_adam_update_cuda(haar_args(work, step_size), lim.data_ptr());
 }
 
 void update_param(const Work& work) {

@@ -1,0 +1,155 @@
+// CUDA body of the general fused WaveletAdam passes: any orthogonal wavelet, zero / periodization /
+// symmetric mode (see include/gwt/kernels.h for the seam).
+//
+// One thread block per row (grid-stride over rows): the threads of a block share the row's DWT
+// and IDWT level by level, with the intermediate approximations and the denominators in shared
+// memory and the coefficients of every level in the workspace, as on the CPU. The row bodies are
+// src/kernels/wavelet_row.h, which the tests also run on the host (one lane), so the arithmetic
+// here is the arithmetic tested there. Nothing waits for the host: the norm pass adds into a
+// device scalar, the update pass reads the limiter value from one.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../src/kernels/dispatch.h"
+#include "../src/kernels/wavelet_row.h"
+#include "block_reduce.cuh"
+#include "gwt/kernels.h"
+
+namespace gwt {
+namespace kernels {
+namespace {
+
+/// The threads of one block working on one row.
+struct BlockLanes {
+  __host__ __device__ int64_t lane() const {
+#ifdef __CUDA_ARCH__
+    return threadIdx.x;
+#else
+    return 0;
+#endif
+  }
+  __host__ __device__ int64_t lanes() const {
+#ifdef __CUDA_ARCH__
+    return blockDim.x;
+#else
+    return 1;
+#endif
+  }
+  __host__ __device__ void sync() const {
+#ifdef __CUDA_ARCH__
+    __syncthreads();
+#endif
+  }
+};
+
+template <typename Acc>
+struct Scratch {
+  Acc *buf0, *buf1, *den;
+  __device__ explicit Scratch(const row::RowPlan<Acc>& f) {
+    extern __shared__ __align__(16) unsigned char shared[];
+    buf0 = reinterpret_cast<Acc*>(shared);
+    buf1 = buf0 + f.buffer_len;
+    den = buf1 + f.buffer_len;
+  }
+};
+
+template <typename P, typename S, typename Acc>
+__global__ void general_norm_pass(const P* __restrict__ grad, const S* __restrict__ m,
+                                  const S* __restrict__ v, Acc* __restrict__ workspace,
+                                  const __grid_constant__ row::RowPlan<Acc> f, Acc* norm_sq_out) {
+  const Scratch<Acc> scratch(f);
+  const BlockLanes lanes;
+  Acc sum = 0;
+  for (int64_t r = blockIdx.x; r < f.rows; r += gridDim.x)
+    sum += row::row_norm_sq<P, S, Acc>(lanes, f, grad + r * f.n, m + r * f.approx_len,
+                                       v + r * f.approx_len, workspace + r * f.coeff_len,
+                                       scratch.buf0, scratch.buf1);
+  sum = block_reduce(sum);
+  if (threadIdx.x == 0) atomicAdd(norm_sq_out, sum);
+}
+
+template <typename P, typename S, typename Acc>
+__global__ void general_update_pass(P* __restrict__ param, S* __restrict__ m, S* __restrict__ v,
+                                    Acc* __restrict__ workspace,
+                                    const __grid_constant__ row::RowPlan<Acc> f,
+                                    const Acc* lim_ptr, int64_t* kept_per_row) {
+  const Scratch<Acc> scratch(f);
+  const BlockLanes lanes;
+  const Acc lim = *lim_ptr;
+  for (int64_t r = blockIdx.x; r < f.rows; r += gridDim.x) {
+    int64_t kept = row::row_update<P, S, Acc>(
+        lanes, f, lim, param + r * f.n, m + r * f.approx_len, v + r * f.approx_len,
+        workspace + r * f.coeff_len, scratch.buf0, scratch.buf1, scratch.den);
+    if (kept_per_row != nullptr) {  // the same for every thread of the block
+      kept = block_reduce(kept);
+      if (threadIdx.x == 0) kept_per_row[r] = kept;
+    }
+  }
+}
+
+template <typename P, typename S, typename Acc>
+void launch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
+  const row::RowPlan<Acc> f = row::make_row_plan<Acc>(a);
+  const int64_t bytes = (2 * f.buffer_len + f.approx_len) * static_cast<int64_t>(sizeof(Acc));
+  TORCH_INTERNAL_ASSERT(bytes == wavelet_row_scratch_bytes(a.n, a.filter_length, a.level,
+                                                           a.boundary, a.math_f64));
+  TORCH_CHECK(bytes <= wavelet_adam_cuda_max_scratch_bytes(), "gwt: a row of length ", a.n,
+              " needs ", bytes, " bytes of shared memory in the CUDA wavelet kernel, more than the ",
+              "device has; use fused(false)");
+  const int grid = static_cast<int>(std::min<int64_t>(a.rows, 8192));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (norm_sq_out != nullptr) {
+    auto kernel = general_norm_pass<P, S, Acc>;
+    if (bytes > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(bytes)));
+    kernel<<<grid, k_threads, bytes, stream>>>(
+        static_cast<const P*>(a.grad), static_cast<const S*>(a.exp_avg),
+        static_cast<const S*>(a.exp_avg_sq), static_cast<Acc*>(a.workspace), f,
+        static_cast<Acc*>(norm_sq_out));
+  } else {
+    auto kernel = general_update_pass<P, S, Acc>;
+    if (bytes > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(bytes)));
+    kernel<<<grid, k_threads, bytes, stream>>>(
+        static_cast<P*>(a.param), static_cast<S*>(a.exp_avg), static_cast<S*>(a.exp_avg_sq),
+        static_cast<Acc*>(a.workspace), f, static_cast<const Acc*>(lim), a.kept_per_row);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void dispatch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
+  TORCH_INTERNAL_ASSERT(a.level >= 1 && a.n >= 1 && a.workspace != nullptr);
+  if (a.rows == 0) return;
+  with_types(a, [&](auto types) {
+    using T = decltype(types);
+    launch<typename T::param_t, typename T::state_t, typename T::acc_t>(a, norm_sq_out, lim);
+  });
+}
+
+}  // namespace
+
+int64_t wavelet_adam_cuda_max_scratch_bytes() {
+  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+}
+
+void wavelet_adam_norm_sq_cuda(const WaveletAdamArgs& args, void* norm_sq_out) {
+  TORCH_INTERNAL_ASSERT(norm_sq_out != nullptr);
+  dispatch(args, norm_sq_out, nullptr);
+}
+
+void wavelet_adam_update_cuda(const WaveletAdamArgs& args, const void* lim) {
+  TORCH_INTERNAL_ASSERT(lim != nullptr);
+  dispatch(args, nullptr, lim);
+}
+
+}  // namespace kernels
+}  // namespace gwt
