@@ -99,13 +99,17 @@ void BM_TorchAdamW(benchmark::State& st) {
   });
 }
 
-void wavelet(benchmark::State& st, const std::string& wavelet_name, int level, bool fused) {
-  run_optimizer(
-      st, static_cast<int>(st.range(0)), wavelet_bytes(level), [&](std::vector<at::Tensor> p) {
-        return std::make_unique<gwt::WaveletAdam>(
-            std::move(p),
-            gwt::WaveletAdamOptions(1e-3).wavelet(wavelet_name).level(level).fused(fused));
-      });
+void wavelet(benchmark::State& st, const std::string& wavelet_name, int level, bool fused,
+             const std::string& transform = "1d") {
+  // 2-D: the moments shrink by 4^L instead of 2^L.
+  const double bytes = transform == "2d" ? 12 + 16.0 / (1 << (2 * level)) : wavelet_bytes(level);
+  run_optimizer(st, static_cast<int>(st.range(0)), bytes, [&](std::vector<at::Tensor> p) {
+    return std::make_unique<gwt::WaveletAdam>(std::move(p), gwt::WaveletAdamOptions(1e-3)
+                                                                .wavelet(wavelet_name)
+                                                                .level(level)
+                                                                .fused(fused)
+                                                                .transform(transform));
+  });
 }
 
 // GaLore at rank n/4 (the moments of WaveletAdam L=2 on workload a); the projector refresh (an SVD
@@ -141,6 +145,9 @@ void BM_WaveletAdamFused_haar_L3(benchmark::State& st) {
 void BM_WaveletAdamFused_db2_L2(benchmark::State& st) {
   wavelet(st, "db2", 2, true);
 }
+void BM_WaveletAdamFused_haar2d_L2(benchmark::State& st) {
+  wavelet(st, "haar", 2, true, "2d");
+}
 
 }  // namespace
 
@@ -156,6 +163,7 @@ GWT_BENCH(BM_WaveletAdamFused_haar_L1);
 GWT_BENCH(BM_WaveletAdamFused_haar_L2);
 GWT_BENCH(BM_WaveletAdamFused_haar_L3);
 GWT_BENCH(BM_WaveletAdamFused_db2_L2);
+GWT_BENCH(BM_WaveletAdamFused_haar2d_L2);
 // Workload a only: the exact SVD of a 4096x4096 gradient takes tens of seconds on 2 cores.
 BENCHMARK(BM_GaLoreAdam_r128)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
 BENCHMARK(BM_GaLoreRefreshExact_r128)

@@ -78,15 +78,15 @@ __global__ void general_norm_pass(const P* __restrict__ grad, const S* __restric
 template <typename P, typename S, typename Acc>
 __global__ void general_update_pass(P* __restrict__ param, S* __restrict__ m, S* __restrict__ v,
                                     Acc* __restrict__ workspace,
-                                    const __grid_constant__ row::RowPlan<Acc> f,
-                                    const Acc* lim_ptr, int64_t* kept_per_row) {
+                                    const __grid_constant__ row::RowPlan<Acc> f, const Acc* lim_ptr,
+                                    int64_t* kept_per_row) {
   const Scratch<Acc> scratch(f);
   const BlockLanes lanes;
   const Acc lim = *lim_ptr;
   for (int64_t r = blockIdx.x; r < f.rows; r += gridDim.x) {
-    int64_t kept = row::row_update<P, S, Acc>(
-        lanes, f, lim, param + r * f.n, m + r * f.approx_len, v + r * f.approx_len,
-        workspace + r * f.coeff_len, scratch.buf0, scratch.buf1, scratch.den);
+    int64_t kept = row::row_update<P, S, Acc>(lanes, f, lim, param + r * f.n, m + r * f.approx_len,
+                                              v + r * f.approx_len, workspace + r * f.coeff_len,
+                                              scratch.buf0, scratch.buf1, scratch.den);
     if (kept_per_row != nullptr) {  // the same for every thread of the block
       kept = block_reduce(kept);
       if (threadIdx.x == 0) kept_per_row[r] = kept;
@@ -98,10 +98,11 @@ template <typename P, typename S, typename Acc>
 void launch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
   const row::RowPlan<Acc> f = row::make_row_plan<Acc>(a);
   const int64_t bytes = (2 * f.buffer_len + f.approx_len) * static_cast<int64_t>(sizeof(Acc));
-  TORCH_INTERNAL_ASSERT(bytes == wavelet_row_scratch_bytes(a.n, a.filter_length, a.level,
-                                                           a.boundary, a.math_f64));
+  TORCH_INTERNAL_ASSERT(
+      bytes == wavelet_row_scratch_bytes(a.n, a.filter_length, a.level, a.boundary, a.math_f64));
   TORCH_CHECK(bytes <= wavelet_adam_cuda_max_scratch_bytes(), "gwt: a row of length ", a.n,
-              " needs ", bytes, " bytes of shared memory in the CUDA wavelet kernel, more than the ",
+              " needs ", bytes,
+              " bytes of shared memory in the CUDA wavelet kernel, more than the ",
               "device has; use fused(false)");
   const int grid = static_cast<int>(std::min<int64_t>(a.rows, 8192));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -44,6 +44,7 @@ NAMES = {
     "WaveletAdamFused_haar_L2": "WaveletAdam fused, haar L=2",
     "WaveletAdamFused_haar_L3": "WaveletAdam fused, haar L=3",
     "WaveletAdamFused_db2_L2": "WaveletAdam fused, db2 L=2",
+    "WaveletAdamFused_haar2d_L2": "WaveletAdam fused, haar 2-D L=2",
     "GaLoreAdam_r128": "GaLoreAdam r=128 (no refresh)",
     "GaLoreRefreshExact_r128": "GaLoreAdam r=128, step with exact-SVD refresh",
     "GaLoreRefreshRandomized_r128": "GaLoreAdam r=128, step with randomized-SVD refresh",

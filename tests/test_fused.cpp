@@ -112,6 +112,27 @@ TEST(Fused, HaarMatchesReferenceInFloat32AcrossShapesAndLevels) {
       }
 }
 
+TEST(Fused, Haar2dMatchesReferenceInFloat32) {
+  // transform("2d"): blocks of 2^L x 2^L; odd sizes pad with zeros (zero mode), batch dimensions.
+  const std::vector<std::vector<int64_t>> shapes = {{64, 96}, {3, 17, 40}, {8, 8}, {37, 70}};
+  for (const auto& shape : shapes)
+    for (int64_t level : {1, 2, 3}) {
+      SCOPED_TRACE("shape " + c10::str(at::IntArrayRef(shape)) + " level " + std::to_string(level));
+      const auto o = base_options().transform("2d").level(level);
+      const at::Tensor init = at::randn(shape, at::kDouble);
+      OptRun fused = make_run(init, at::kFloat, o);
+      ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
+      OptRun reference = make_run(init, at::kFloat, WaveletAdamOptions(o).fused(false));
+      OptRun exact = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+      for (const auto& g : gradients(shape, 5, 34)) {
+        const at::Tensor g32 = g.to(at::kFloat).to(at::kDouble);
+        step(fused, g32), step(reference, g32), step(exact, g32);
+        expect_close_to_reference(fused.param, reference.param, exact.param);
+      }
+      EXPECT_EQ(fused.opt->state_bytes(fused.param), reference.opt->state_bytes(reference.param));
+    }
+}
+
 TEST(Fused, HaarMatchesReferenceInFloat64) {
   for (const auto& shape : std::vector<std::vector<int64_t>>{{6, 45}, {4, 2048}})
     for (int64_t level : {1, 2, 3}) {

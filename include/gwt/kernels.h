@@ -22,6 +22,9 @@ enum class ScalarKind : int8_t { f32, f64, f16, bf16 };
 /// its own details, and since the inverse transform is linear and orthogonal the whole update of
 /// the block is  u_i = (g_i + (m - A) * 2^(-level/2)) / ((sqrt(v) + eps) * lim).
 ///
+/// The 2-D transform (two_d) is block-local the same way, with blocks of 2^level x 2^level:
+/// u_ij = (g_ij + (m - A) * 2^(-level)) / ((sqrt(v) + eps) * lim).
+///
 /// Two passes, no full-size temporaries:
 /// - norm pass (reads g, m, v; writes nothing): sum of (m' / (sqrt(v') + eps))^2 over the new
 ///   moments m', v'. It is NaN when a gradient value is not finite, so the caller can skip the
@@ -36,13 +39,17 @@ struct HaarAdamArgs {
   ScalarKind param_kind = ScalarKind::f32;
   ScalarKind state_kind = ScalarKind::f32;
   bool math_f64 = false;  ///< compute in double (float64 parameters)
-  int64_t rows = 0;
+  int64_t rows = 0;       ///< rows of p and g (all leading dimensions)
   int64_t n = 0;
   int64_t approx_len = 0;  ///< ceil(n / 2^level)
   int64_t level = 1;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-6;
   double step_size = 0;  ///< lr * bias correction * scale
   double decay = 0;      ///< lr * weight_decay (applied after the update)
+  /// transform "2d" (CPU Haar only): blocks of 2^level x 2^level in each matrix of `height` rows,
+  /// approximation sum * 2^(-level), state [rows / height, ceil(height / 2^level), approx_len].
+  bool two_d = false;
+  int64_t height = 1;
 };
 
 /// CPU norm pass; at::parallel_for over fixed tiles, so the sum does not depend on the number of

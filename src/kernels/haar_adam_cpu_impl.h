@@ -48,12 +48,16 @@ class HaarAdam {
   explicit HaarAdam(const HaarAdamArgs& args)
       : a_(args),
         block_(B > 0 ? B : int64_t{1} << args.level),
-        approx_scale_(static_cast<Acc>(std::pow(2.0, -0.5 * static_cast<double>(args.level)))),
+        // The orthonormal Haar approximation: 2^(-1/2) per level along each transformed axis.
+        approx_scale_(static_cast<Acc>(
+            std::pow(2.0, (args.two_d ? -1.0 : -0.5) * static_cast<double>(args.level)))),
+        block_rows_(args.two_d ? (args.height + block_ - 1) / block_ : 1),
+        state_rows_(args.two_d ? args.rows / args.height * block_rows_ : args.rows),
         tiles_per_row_((args.approx_len + k_tile - 1) / k_tile) {}
 
   // Norm pass over all tiles: fixed tiles, summed in order.
   double norm_sq() const {
-    const int64_t tiles = a_.rows * tiles_per_row_;
+    const int64_t tiles = state_rows_ * tiles_per_row_;
     std::vector<double> partial(static_cast<size_t>(tiles), 0.0);
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       Acc approx[k_tile];
@@ -65,7 +69,7 @@ class HaarAdam {
   }
 
   void update(Acc lim) const {
-    const int64_t tiles = a_.rows * tiles_per_row_;
+    const int64_t tiles = state_rows_ * tiles_per_row_;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       Acc approx[k_tile];
       for (int64_t t = t0; t < t1; ++t) tile_update(t, lim, approx);
@@ -74,12 +78,19 @@ class HaarAdam {
 
  private:
   struct Tile {
-    int64_t row, first, count;  // approximation coefficients [first, first + count) of row
+    int64_t row, first, count;    // approximation coefficients [first, first + count) of state row
+    int64_t element_row, height;  // the rows of p and g its blocks span: [element_row, + height)
   };
   Tile tile(int64_t t) const {
     const int64_t row = t / tiles_per_row_;
     const int64_t first = (t % tiles_per_row_) * k_tile;
-    return {row, first, std::min(k_tile, a_.approx_len - first)};
+    Tile tl{row, first, std::min(k_tile, a_.approx_len - first), row, 1};
+    if (a_.two_d) {  // state row = (matrix, block row); its blocks span up to 2^level rows
+      const int64_t top = (row % block_rows_) * block_;
+      tl.element_row = row / block_rows_ * a_.height + top;
+      tl.height = std::min(block_, a_.height - top);
+    }
+    return tl;
   }
 
   // Blocks of the tile that lie wholly inside the row (all but the row's last, partial block).
@@ -96,18 +107,22 @@ class HaarAdam {
   // approx[j] = (sum of block first + j) * 2^(-L/2) for j in [from, count), zeros past n
   // (PyWavelets' zero mode).
   void block_sums(const Tile& tl, int64_t from, Acc* approx) const {
-    const P* g = static_cast<const P*>(a_.grad) + tl.row * a_.n;
+    const P* g = static_cast<const P*>(a_.grad) + tl.element_row * a_.n;
     const int64_t bs = block_;
     const int64_t full = full_blocks(tl);
     for (int64_t j = from; j < full; ++j) {
-      const P* src = g + (tl.first + j) * bs;
       Acc sum = 0;
-      for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) sum += static_cast<Acc>(src[q]);
+      for (int64_t r = 0; r < tl.height; ++r) {
+        const P* src = g + r * a_.n + (tl.first + j) * bs;
+        for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) sum += static_cast<Acc>(src[q]);
+      }
       approx[j] = sum * approx_scale_;
     }
     if (full < tl.count) {
       Acc sum = 0;
-      for (int64_t i = (tl.first + full) * bs; i < a_.n; ++i) sum += static_cast<Acc>(g[i]);
+      for (int64_t r = 0; r < tl.height; ++r)
+        for (int64_t i = (tl.first + full) * bs; i < a_.n; ++i)
+          sum += static_cast<Acc>(g[r * a_.n + i]);
       approx[full] = sum * approx_scale_;
     }
   }
@@ -132,8 +147,8 @@ class HaarAdam {
 #ifdef GWT_HAAR_SIMD
     if constexpr (k_simd) {
       if (from > 0) {
-        const float* g = static_cast<const float*>(a_.grad) + tl.row * a_.n + tl.first * B;
-        sum = simd::norm_sq<B>(simd_constants(), g, m, v, from);
+        const float* g = static_cast<const float*>(a_.grad) + tl.element_row * a_.n + tl.first * B;
+        sum = simd::norm_sq<B>(simd_constants(), g, a_.n, tl.height, m, v, from);
       }
     }
 #endif
@@ -154,12 +169,13 @@ class HaarAdam {
     S* m = static_cast<S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
     S* v = static_cast<S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
     const Acc eps = static_cast<Acc>(a_.eps), step = static_cast<Acc>(a_.step_size);
-    const P* g = static_cast<const P*>(a_.grad) + tl.row * a_.n + tl.first * block_;
-    P* p = static_cast<P*>(a_.param) + tl.row * a_.n + tl.first * block_;
+    const P* g = static_cast<const P*>(a_.grad) + tl.element_row * a_.n + tl.first * block_;
+    P* p = static_cast<P*>(a_.param) + tl.element_row * a_.n + tl.first * block_;
     const Acc keep = static_cast<Acc>(-a_.decay);
 #ifdef GWT_HAAR_SIMD
     if constexpr (k_simd) {
-      if (from > 0) simd::update<B>(simd_constants(), g, p, m, v, from, step, lim, keep);
+      if (from > 0)
+        simd::update<B>(simd_constants(), g, p, a_.n, tl.height, m, v, from, step, lim, keep);
     }
 #endif
     // approx[j] becomes the block's shift, factor[j] its step / denominator.
@@ -173,22 +189,26 @@ class HaarAdam {
     }
     const int64_t bs = block_;
     const int64_t elements = std::min(tl.count * bs, a_.n - tl.first * bs);
-    if (elements == tl.count * bs) {
-      for (int64_t j = from; j < tl.count; ++j) {
-        const Acc f = factor[j], s = approx[j];
-        for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) {
-          const int64_t i = j * bs + q;
-          Acc x = static_cast<Acc>(p[i]) - f * (static_cast<Acc>(g[i]) + s);
-          x = x + keep * x;  // decoupled decay, as p.add_(p, -lr * wd)
-          p[i] = static_cast<P>(x);
+    for (int64_t r = 0; r < tl.height; ++r) {
+      const P* g_row = g + r * a_.n;
+      P* p_row = p + r * a_.n;
+      if (elements == tl.count * bs) {
+        for (int64_t j = from; j < tl.count; ++j) {
+          const Acc f = factor[j], s = approx[j];
+          for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) {
+            const int64_t i = j * bs + q;
+            Acc x = static_cast<Acc>(p_row[i]) - f * (static_cast<Acc>(g_row[i]) + s);
+            x = x + keep * x;  // decoupled decay, as p.add_(p, -lr * wd)
+            p_row[i] = static_cast<P>(x);
+          }
         }
-      }
-    } else {
-      for (int64_t i = from * bs; i < elements; ++i) {
-        const int64_t j = i / bs;
-        Acc x = static_cast<Acc>(p[i]) - factor[j] * (static_cast<Acc>(g[i]) + approx[j]);
-        x = x + keep * x;
-        p[i] = static_cast<P>(x);
+      } else {
+        for (int64_t i = from * bs; i < elements; ++i) {
+          const int64_t j = i / bs;
+          Acc x = static_cast<Acc>(p_row[i]) - factor[j] * (static_cast<Acc>(g_row[i]) + approx[j]);
+          x = x + keep * x;
+          p_row[i] = static_cast<P>(x);
+        }
       }
     }
   }
@@ -196,6 +216,8 @@ class HaarAdam {
   const HaarAdamArgs& a_;
   int64_t block_;
   Acc approx_scale_;
+  int64_t block_rows_;  // 2-D: block rows per matrix (state rows per matrix)
+  int64_t state_rows_;  // rows of exp_avg / exp_avg_sq
   int64_t tiles_per_row_;
 };
 

@@ -1,7 +1,8 @@
 #pragma once
 
 // AVX2/FMA building blocks of the fused Haar kernel for float parameters and float moments, 8
-// approximation coefficients (8 blocks of B = 2^level elements, level 1..3) at a time. Compiled
+// approximation coefficients (8 blocks of B = 2^level elements, level 1..3, in one row or, for the
+// 2-D transform, in B rows) at a time. Compiled
 // only into the AVX2 build of the body (haar_adam_cpu_avx2.cpp); the baseline build and every
 // other type keep the plain loops of haar_adam_cpu_impl.h, which the tests compare against.
 
@@ -84,13 +85,22 @@ inline float lane_sum(__m256 x) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+/// Approximations of 8 blocks spanning `height` rows `stride` apart (1 row for the 1-D transform,
+/// 2^level rows for the 2-D one): the blocks' sums times the scale.
+template <int B>
+inline __m256 approx8(const StepConstants& c, const float* g, int64_t stride, int64_t height) {
+  __m256 sum = block_sums8<B>(g);
+  for (int64_t r = 1; r < height; ++r) sum = _mm256_add_ps(sum, block_sums8<B>(g + r * stride));
+  return _mm256_mul_ps(sum, c.scale);
+}
+
 /// Norm pass over `count` (a multiple of 8) coefficients: sum of (m' / denom)^2.
 template <int B>
-inline float norm_sq(const StepConstants& c, const float* g, const float* m, const float* v,
-                     int64_t count) {
+inline float norm_sq(const StepConstants& c, const float* g, int64_t stride, int64_t height,
+                     const float* m, const float* v, int64_t count) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; j += 8) {
-    const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
+    const __m256 a = approx8<B>(c, g + j * B, stride, height);
     const Moments8 mv(c, m + j, v + j, a);
     const __m256 normalized = _mm256_div_ps(mv.m, mv.denom);
     acc = _mm256_fmadd_ps(normalized, normalized, acc);
@@ -98,29 +108,32 @@ inline float norm_sq(const StepConstants& c, const float* g, const float* m, con
   return lane_sum(acc);
 }
 
-/// Update pass over `count` (a multiple of 8) coefficients and their count * B elements:
+/// Update pass over `count` (a multiple of 8) coefficients and their blocks (count * B elements
+/// in each of `height` rows):
 /// m, v <- m', v';  p <- x + keep * x  with  x = p - step / (denom lim) * (g + (m' - A) scale).
 template <int B>
-inline void update(const StepConstants& c, const float* g, float* p, float* m, float* v,
-                   int64_t count, float step, float lim, float keep) {
+inline void update(const StepConstants& c, const float* g, float* p, int64_t stride, int64_t height,
+                   float* m, float* v, int64_t count, float step, float lim, float keep) {
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
   for (int64_t j = 0; j < count; j += 8) {
-    const float* gj = g + j * B;
-    float* pj = p + j * B;
-    const __m256 a = _mm256_mul_ps(block_sums8<B>(gj), c.scale);
+    const __m256 a = approx8<B>(c, g + j * B, stride, height);
     const Moments8 mv(c, m + j, v + j, a);
     _mm256_storeu_ps(m + j, mv.m);
     _mm256_storeu_ps(v + j, mv.v);
     const __m256 factor = _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v));
     const __m256 shift = _mm256_mul_ps(_mm256_sub_ps(mv.m, a), c.scale);
-    for (int k = 0; k < B; ++k) {
-      const __m256i idx = spread<B>(k);
-      const __m256 f = _mm256_permutevar8x32_ps(factor, idx);
-      const __m256 s = _mm256_permutevar8x32_ps(shift, idx);
-      const __m256 gs = _mm256_add_ps(_mm256_loadu_ps(gj + 8 * k), s);
-      const __m256 x = _mm256_fnmadd_ps(f, gs, _mm256_loadu_ps(pj + 8 * k));
-      _mm256_storeu_ps(pj + 8 * k, _mm256_fmadd_ps(keep_v, x, x));
+    for (int64_t r = 0; r < height; ++r) {
+      const float* gj = g + r * stride + j * B;
+      float* pj = p + r * stride + j * B;
+      for (int k = 0; k < B; ++k) {
+        const __m256i idx = spread<B>(k);
+        const __m256 f = _mm256_permutevar8x32_ps(factor, idx);
+        const __m256 s = _mm256_permutevar8x32_ps(shift, idx);
+        const __m256 gs = _mm256_add_ps(_mm256_loadu_ps(gj + 8 * k), s);
+        const __m256 x = _mm256_fnmadd_ps(f, gs, _mm256_loadu_ps(pj + 8 * k));
+        _mm256_storeu_ps(pj + 8 * k, _mm256_fmadd_ps(keep_v, x, x));
+      }
     }
   }
 }

@@ -79,7 +79,8 @@ RowPlan<Acc> make_row_plan(const WaveletAdamArgs& a) {
   // level >= 2 (at most 2 * lengths[2] <= lengths[1] + F - 1).
   f.buffer_len = f.lengths[1] + f.taps;
   f.beta1 = static_cast<Acc>(a.beta1), f.beta2 = static_cast<Acc>(a.beta2);
-  f.one_minus_beta1 = static_cast<Acc>(1 - a.beta1), f.one_minus_beta2 = static_cast<Acc>(1 - a.beta2);
+  f.one_minus_beta1 = static_cast<Acc>(1 - a.beta1),
+  f.one_minus_beta2 = static_cast<Acc>(1 - a.beta2);
   f.eps = static_cast<Acc>(a.eps);
   f.step_size = static_cast<Acc>(a.step_size);
   f.keep = static_cast<Acc>(-a.decay);
@@ -104,8 +105,7 @@ GWT_ROW_FN int64_t analysis_offset(int taps, BoundaryMode mode) {
 
 /// Approximation and detail coefficient o of one analysis level of x[0, n).
 template <typename Acc, typename T>
-GWT_ROW_FN void analyze(const T* x, int64_t n, int64_t o, const RowPlan<Acc>& f, Acc& lo,
-                        Acc& hi) {
+GWT_ROW_FN void analyze(const T* x, int64_t n, int64_t o, const RowPlan<Acc>& f, Acc& lo, Acc& hi) {
   lo = 0, hi = 0;
   const int64_t base = 2 * o + analysis_offset(f.taps, f.mode);
   for (int k = 0; k < f.taps; ++k) {
@@ -209,8 +209,8 @@ GWT_ROW_FN Acc row_norm_sq(const Lanes& lanes, const RowPlan<Acc>& f, const P* g
 /// p <- x + keep x with x = p - step_size * update. den: approx_len values of scratch. Returns
 /// this lane's count of details kept by the threshold.
 template <typename P, typename S, typename Acc, typename Lanes>
-GWT_ROW_FN int64_t row_update(const Lanes& lanes, const RowPlan<Acc>& f, Acc lim, P* p, S* m,
-                              S* v, Acc* w, Acc* buf0, Acc* buf1, Acc* den) {
+GWT_ROW_FN int64_t row_update(const Lanes& lanes, const RowPlan<Acc>& f, Acc lim, P* p, S* m, S* v,
+                              Acc* w, Acc* buf0, Acc* buf1, Acc* den) {
   using std::sqrt;
   for (int64_t j = lanes.lane(); j < f.approx_len; j += lanes.lanes()) {
     Acc m_new, v_new;

@@ -352,8 +352,7 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
 // Which implementation computes this parameter's step: the fused kernels where they reproduce the
 // reference (transform along the last, contiguous dimension), the ATen reference elsewhere.
 Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& plan) {
-  if (!o.fused() || !plan.wavelet || plan.two_d || plan.dim != param.dim() - 1 ||
-      !param.is_contiguous())
+  if (!o.fused() || !plan.wavelet || plan.dim != param.dim() - 1 || !param.is_contiguous())
     return Path::reference;
   const bool haar = o.wavelet() == "haar" || o.wavelet() == "db1";
   // Haar's zero mode pads odd lengths with zeros, which keeps blocks local; the other modes agree
@@ -361,7 +360,11 @@ Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& 
   // general kernels threshold them.
   const int64_t block = int64_t{1} << o.level();
   const bool haar_local =
-      haar && o.threshold() == 0 && (o.boundary() == "zero" || param.size(plan.dim) % block == 0);
+      haar && o.threshold() == 0 &&
+      (o.boundary() == "zero" ||
+       (param.size(-1) % block == 0 && (!plan.two_d || param.size(-2) % block == 0)));
+  // 2-D: Haar on the CPU kernel, everything else on the reference.
+  if (plan.two_d) return haar_local && param.device().is_cpu() ? Path::haar : Path::reference;
   if (param.is_cuda()) {
     if (!kernels::built_with_cuda()) return Path::reference;
     if (haar_local && o.level() <= 3) return Path::haar;
@@ -390,6 +393,8 @@ kernels::HaarAdamArgs haar_args(const Work& work, double step_size) {
   args.math_f64 = compute_dtype(work.param) == at::kDouble;
   args.n = work.param.size(-1);
   args.rows = work.param.numel() / args.n;
+  args.two_d = work.plan.two_d;
+  if (args.two_d) args.height = work.param.size(-2);
   args.approx_len = state.exp_avg().size(-1);
   args.level = o.level();
   std::tie(args.beta1, args.beta2) = o.betas();
