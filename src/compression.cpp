@@ -102,10 +102,35 @@ std::vector<torch::optim::OptimizerParamGroup> depth_param_groups(
 
 int64_t CompressedGradient::bytes() const {
   int64_t total = approx.defined() ? static_cast<int64_t>(approx.nbytes()) : 0;
-  for (size_t k = 0; k < detail_values.size(); ++k)
-    total += static_cast<int64_t>(detail_values[k].nbytes() + detail_indices[k].nbytes());
+  for (const auto* list : {&detail_values, &detail_indices, &detail_masks})
+    for (const at::Tensor& t : *list)
+      if (t.defined()) total += static_cast<int64_t>(t.nbytes());
   return total;
 }
+
+namespace {
+
+const at::Tensor& bit_weights() {
+  static const at::Tensor weights = at::tensor({1, 2, 4, 8, 16, 32, 64, 128}, at::kByte);
+  return weights;
+}
+
+// A bool vector as bits, least significant first, padded with zeros to whole bytes.
+at::Tensor pack_bits(const at::Tensor& keep) {
+  const int64_t n = keep.numel(), bytes = (n + 7) / 8;
+  at::Tensor bits = at::zeros({bytes * 8}, at::kByte);
+  bits.narrow(0, 0, n).copy_(keep.cpu());
+  return (bits.view({bytes, 8}) * bit_weights()).sum(1, false, at::kByte);
+}
+
+at::Tensor unpack_bits(const at::Tensor& mask, int64_t n) {
+  TORCH_CHECK(mask.scalar_type() == at::kByte && mask.dim() == 1 && mask.numel() == (n + 7) / 8,
+              "gwt::decompress_gradient: a detail mask of ", mask.numel(), " bytes for ", n,
+              " coefficients (need ", (n + 7) / 8, " uint8)");
+  return mask.cpu().unsqueeze(1).bitwise_and(bit_weights()).ne(0).view({-1}).narrow(0, 0, n);
+}
+
+}  // namespace
 
 int64_t CompressedGradient::dense_bytes() const {
   int64_t n = 1;
@@ -115,10 +140,14 @@ int64_t CompressedGradient::dense_bytes() const {
 
 CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wavelet, int64_t level,
                                      double threshold_value, const std::string& threshold_mode,
-                                     int64_t dim, BoundaryMode boundary) {
+                                     int64_t dim, BoundaryMode boundary,
+                                     const std::string& positions) {
   TORCH_CHECK(grad.defined() && grad.dim() >= 1,
               "gwt::compress_gradient needs a tensor with a dimension");
   TORCH_CHECK(level >= 1, "gwt::compress_gradient: level must be >= 1, got ", level);
+  TORCH_CHECK(positions == "auto" || positions == "indices" || positions == "bitmask",
+              "gwt::compress_gradient: unknown positions '", positions,
+              "' (valid: auto, indices, bitmask)");
   CompressedGradient c;
   c.shape = grad.sizes().vec();
   c.wavelet = wavelet.name(), c.boundary = to_string(boundary), c.threshold_mode = threshold_mode;
@@ -130,9 +159,19 @@ CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wave
         threshold_value > 0 ? threshold(detail, threshold_value, threshold_mode) : detail;
     const at::Tensor flat = kept.contiguous().view({-1});
     const at::Tensor indices = flat.nonzero().view({-1});
-    TORCH_CHECK(flat.numel() < (int64_t{1} << 31),
-                "gwt::compress_gradient: a subband too large for int32 indices");
-    c.detail_indices.push_back(indices.to(at::kInt));
+    // 4 bytes per kept coefficient against 1 bit per coefficient.
+    const bool bitmask = positions == "bitmask" ||
+                         (positions == "auto" && 4 * indices.numel() > (flat.numel() + 7) / 8);
+    if (bitmask) {
+      c.detail_indices.emplace_back();
+      c.detail_masks.push_back(pack_bits(flat.ne(0)));
+    } else {
+      TORCH_CHECK(flat.numel() < (int64_t{1} << 31),
+                  "gwt::compress_gradient: a subband too large for int32 indices; use "
+                  "positions \"bitmask\"");
+      c.detail_indices.push_back(indices.to(at::kInt));
+      c.detail_masks.emplace_back();
+    }
     c.detail_values.push_back(flat.index_select(0, indices));
     c.detail_shapes.push_back(detail.sizes().vec());
   }
@@ -143,14 +182,27 @@ CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wave
 }
 
 at::Tensor decompress_gradient(const CompressedGradient& c) {
-  TORCH_CHECK(c.approx.defined() && c.detail_values.size() == c.detail_shapes.size() &&
-                  c.detail_indices.size() == c.detail_shapes.size(),
+  const size_t levels = c.detail_shapes.size();
+  TORCH_CHECK(c.approx.defined() && c.detail_values.size() == levels &&
+                  c.detail_indices.size() == levels &&
+                  (c.detail_masks.empty() || c.detail_masks.size() == levels),
               "gwt::decompress_gradient: an incomplete CompressedGradient");
   WaveletCoeffs coeffs;
   coeffs.approx = c.approx;
-  for (size_t k = 0; k < c.detail_shapes.size(); ++k) {
+  for (size_t k = 0; k < levels; ++k) {
     at::Tensor flat = at::zeros(c.detail_shapes[k], c.approx.options()).view({-1});
-    flat.index_copy_(0, c.detail_indices[k].to(at::kLong), c.detail_values[k]);
+    const bool bitmask = !c.detail_masks.empty() && c.detail_masks[k].defined();
+    TORCH_CHECK(bitmask != c.detail_indices[k].defined(), "gwt::decompress_gradient: detail level ",
+                k, " needs exactly one of indices and mask");
+    if (bitmask) {
+      const at::Tensor keep = unpack_bits(c.detail_masks[k], flat.numel()).to(flat.device());
+      TORCH_CHECK(keep.sum().item<int64_t>() == c.detail_values[k].numel(),
+                  "gwt::decompress_gradient: detail level ", k, " has ", c.detail_values[k].numel(),
+                  " values for ", keep.sum().item<int64_t>(), " set bits");
+      flat.masked_scatter_(keep, c.detail_values[k]);
+    } else {
+      flat.index_copy_(0, c.detail_indices[k].to(at::kLong), c.detail_values[k]);
+    }
     coeffs.details.push_back(flat.view(c.detail_shapes[k]));
   }
   const int64_t dim = c.dim < 0 ? c.dim + static_cast<int64_t>(c.shape.size()) : c.dim;
@@ -171,7 +223,10 @@ torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& arc
   archive.write("approx", c.approx);
   for (size_t k = 0; k < c.detail_shapes.size(); ++k) {
     archive.write("detail_shape_" + std::to_string(k), c10::IValue(c.detail_shapes[k]));
-    archive.write("detail_indices_" + std::to_string(k), c.detail_indices[k]);
+    if (c.detail_indices[k].defined())
+      archive.write("detail_indices_" + std::to_string(k), c.detail_indices[k]);
+    else
+      archive.write("detail_mask_" + std::to_string(k), c.detail_masks.at(k));
     archive.write("detail_values_" + std::to_string(k), c.detail_values[k]);
   }
   return archive;
@@ -201,7 +256,11 @@ torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archi
   out.approx = tensor("approx");
   for (int64_t k = 0; k < out.level; ++k) {
     out.detail_shapes.push_back(value("detail_shape_" + std::to_string(k)).toIntVector());
-    out.detail_indices.push_back(tensor("detail_indices_" + std::to_string(k)));
+    at::Tensor indices, mask;
+    if (!archive.try_read("detail_indices_" + std::to_string(k), indices))
+      mask = tensor("detail_mask_" + std::to_string(k));
+    out.detail_indices.push_back(indices);
+    out.detail_masks.push_back(mask);
     out.detail_values.push_back(tensor("detail_values_" + std::to_string(k)));
   }
   c = std::move(out);

@@ -322,4 +322,46 @@ TEST(CompressedGradient, RoundTripIsExactWithoutThresholdAndReportsItsError) {
   EXPECT_DOUBLE_EQ(loaded.relative_error, lossy.relative_error);
 }
 
+TEST(CompressedGradient, BitmaskAndIndexPositionsAgreeAndAutoPicksTheSmaller) {
+  at::manual_seed(35);
+  const at::Tensor g = at::randn({3, 20, 37}, at::kFloat);
+  for (double threshold : {0.0, 0.5, 1.5, 3.5}) {
+    SCOPED_TRACE("threshold " + std::to_string(threshold));
+    const auto by_index = gwt::compress_gradient(g, "haar", 2, threshold, "soft", -1,
+                                                 gwt::BoundaryMode::zero, "indices");
+    const auto by_mask = gwt::compress_gradient(g, "haar", 2, threshold, "soft", -1,
+                                                gwt::BoundaryMode::zero, "bitmask");
+    const auto chosen = gwt::compress_gradient(g, "haar", 2, threshold, "soft");
+    const at::Tensor back = gwt::decompress_gradient(by_index);
+    EXPECT_TRUE(at::equal(gwt::decompress_gradient(by_mask), back));
+    EXPECT_TRUE(at::equal(gwt::decompress_gradient(chosen), back));
+    // Sizes from first principles: 4-byte values, plus 4-byte indices or 1 bit per coefficient.
+    const int64_t approx_bytes = by_index.approx.numel() * 4;
+    int64_t index_bytes = approx_bytes, mask_bytes = approx_bytes, best = approx_bytes;
+    for (size_t k = 0; k < by_index.detail_shapes.size(); ++k) {
+      int64_t coefficients = 1;
+      for (int64_t s : by_index.detail_shapes[k]) coefficients *= s;
+      const int64_t kept = by_index.detail_values[k].numel();
+      index_bytes += 8 * kept;
+      mask_bytes += 4 * kept + (coefficients + 7) / 8;
+      best += 4 * kept + std::min(4 * kept, (coefficients + 7) / 8);
+    }
+    EXPECT_EQ(by_index.bytes(), index_bytes);
+    EXPECT_EQ(by_mask.bytes(), mask_bytes);
+    EXPECT_EQ(chosen.bytes(), best);
+
+    const std::string path =
+        ::testing::TempDir() + "gwt_bitmask_" + std::to_string(::getpid()) + ".pt";
+    torch::save(by_mask, path);
+    gwt::CompressedGradient loaded;
+    torch::load(loaded, path);
+    std::remove(path.c_str());
+    EXPECT_TRUE(at::equal(gwt::decompress_gradient(loaded), back));
+    EXPECT_EQ(loaded.bytes(), by_mask.bytes());
+  }
+  EXPECT_THROW(
+      gwt::compress_gradient(g, "haar", 2, 0.0, "hard", -1, gwt::BoundaryMode::zero, "bits"),
+      c10::Error);
+}
+
 }  // namespace

@@ -55,28 +55,35 @@ std::vector<torch::optim::OptimizerParamGroup> depth_param_groups(
                                            WaveletAdamOptions options)>& strength);
 
 /// A gradient in the wavelet domain with only the detail coefficients that survive a threshold:
-/// the approximation dense, each detail level as (flat int32 indices, values).
+/// the approximation dense, each detail level as its non-zero values in order plus where they
+/// are: flat int32 indices (detail_indices[k]) or a bitmask of the whole subband, one bit per
+/// coefficient, least significant bit first (detail_masks[k], uint8). Exactly one of the two is
+/// defined per level.
 struct CompressedGradient {
   std::vector<int64_t> shape;
   std::string wavelet = "haar", boundary = "zero", threshold_mode = "hard";
   int64_t level = 2, dim = -1;
   double threshold = 0;
   at::Tensor approx;
-  std::vector<at::Tensor> detail_indices, detail_values;
+  std::vector<at::Tensor> detail_indices, detail_masks, detail_values;
   std::vector<std::vector<int64_t>> detail_shapes;
   /// ||G - decompress(c)|| / ||G|| at compression (0 when nothing is thresholded, up to rounding).
   double relative_error = 0;
 
-  /// Bytes held (approximation, kept values and their indices) and those of the dense gradient.
+  /// Bytes held (approximation, kept values, their indices or masks) and those of the dense
+  /// gradient.
   int64_t bytes() const;
   int64_t dense_bytes() const;
 };
 
 /// Transforms along `dim` (gwt::wavedec), thresholds the details (PyWavelets' semantics, "hard"
-/// or "soft") and keeps the non-zero ones.
+/// or "soft") and keeps the non-zero ones. `positions`: "auto" (per level, whichever of indices
+/// and bitmask is smaller: indices while fewer than 1 in 32 details survive), "indices" or
+/// "bitmask".
 CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wavelet, int64_t level,
                                      double threshold, const std::string& threshold_mode = "hard",
-                                     int64_t dim = -1, BoundaryMode boundary = BoundaryMode::zero);
+                                     int64_t dim = -1, BoundaryMode boundary = BoundaryMode::zero,
+                                     const std::string& positions = "auto");
 at::Tensor decompress_gradient(const CompressedGradient& compressed);
 
 /// torch::save(compressed, path) / torch::load(compressed, path).
