@@ -82,51 +82,109 @@ class GeneralAdam {
     const int64_t last = std::max(first, std::min(len, (n - taps_ - offset) / 2 + 1));
     auto edge = [&](int64_t o) { row::analyze(x, n, o, plan_, approx[o], detail[o]); };
     for (int64_t o = 0; o < first; ++o) edge(o);
-    for (int64_t o = first; o < last; ++o) approx[o] = detail[o] = 0;
-    for (int64_t k = 0; k < taps_; ++k) {
-      const Acc lo = rec_lo_[k], hi = rec_hi_[k];
-      const Acc* src = x + offset + k;
+    with_taps([&](auto taps) {
+      dwt_interior<decltype(taps)::value>(x + offset, first, last, approx, detail);
+    });
+    for (int64_t o = last; o < len; ++o) edge(o);
+  }
+
+  // Calls fn(std::integral_constant<int, F>) for the filter lengths gwt has (0: any other).
+  template <typename Fn>
+  void with_taps(Fn&& fn) const {
+    switch (taps_) {
+      case 2:
+        return fn(std::integral_constant<int, 2>{});
+      case 4:
+        return fn(std::integral_constant<int, 4>{});
+      case 6:
+        return fn(std::integral_constant<int, 6>{});
+      case 8:
+        return fn(std::integral_constant<int, 8>{});
+      default:
+        return fn(std::integral_constant<int, 0>{});
+    }
+  }
+
+  // Interior analysis outputs [first, last): each output's taps summed in registers (F > 0: the
+  // tap loop unrolls and the compiler vectorises over outputs), tap order as in row::analyze.
+  template <int F>
+  void dwt_interior(const Acc* src, int64_t first, int64_t last, Acc* approx, Acc* detail) const {
+    if constexpr (F > 0) {
+      Acc lo_taps[F], hi_taps[F];
+      for (int k = 0; k < F; ++k) lo_taps[k] = rec_lo_[k], hi_taps[k] = rec_hi_[k];
       for (int64_t o = first; o < last; ++o) {
-        approx[o] += lo * src[2 * o];
-        detail[o] += hi * src[2 * o];
+        const Acc* window = src + 2 * o;
+        Acc lo = 0, hi = 0;
+        for (int k = 0; k < F; ++k) {
+          lo += lo_taps[k] * window[k];
+          hi += hi_taps[k] * window[k];
+        }
+        approx[o] = lo;
+        detail[o] = hi;
+      }
+    } else {
+      for (int64_t o = first; o < last; ++o) approx[o] = detail[o] = 0;
+      for (int64_t k = 0; k < taps_; ++k) {
+        const Acc lo = rec_lo_[k], hi = rec_hi_[k];
+        for (int64_t o = first; o < last; ++o) {
+          approx[o] += lo * src[2 * o + k];
+          detail[o] += hi * src[2 * o + k];
+        }
       }
     }
-    for (int64_t o = last; o < len; ++o) edge(o);
   }
 
   // One synthesis level from len coefficients each; returns the output length.
   // out[2m + e] = sum_q dec_lo[j] a[m + q] + dec_hi[j] d[m + q],  j = phase + 2q - e in [0, F);
   // zero/symmetric: q in [0, F/2), m in [0, len - F/2]; periodization: indices mod len.
-  int64_t idwt_level(const Acc* approx, const Acc* detail, int64_t len, Acc* out, Acc* even,
-                     Acc* odd) const {
+  int64_t idwt_level(const Acc* approx, const Acc* detail, int64_t len, Acc* out) const {
     const bool periodic = a_.boundary == BoundaryMode::periodization;
-    const int64_t phase = periodic ? taps_ / 2 : 1;
     const int64_t q_lo = periodic ? -((taps_ / 2 + 1) / 2) : 0;
     const int64_t q_hi = periodic ? (taps_ / 2 + 1) / 2 : taps_ / 2 - 1;
-    const int64_t outputs = periodic ? len : len - taps_ / 2 + 1;
+    const int64_t outputs = row::synthesis_pairs(len, static_cast<int>(taps_), a_.boundary);
     // Interior m: every index m + q inside [0, len) (always, outside periodization).
     const int64_t first = periodic ? std::min(outputs, std::max<int64_t>(0, -q_lo)) : 0;
     const int64_t last = periodic ? std::max(first, std::min(outputs, len - q_hi)) : outputs;
-    for (int64_t m = first; m < last; ++m) even[m] = odd[m] = 0;
-    for (int64_t q = q_lo; q <= q_hi; ++q) {
-      for (int64_t e = 0; e < 2; ++e) {
-        const int64_t j = phase + 2 * q - e;
-        if (j < 0 || j >= taps_) continue;
-        const Acc lo = dec_lo_[j], hi = dec_hi_[j];
-        Acc* dst = e == 0 ? even : odd;
-        const Acc* a = approx + q;
-        const Acc* d = detail + q;
-        for (int64_t m = first; m < last; ++m) dst[m] += lo * a[m] + hi * d[m];
-      }
-    }
-    auto edge = [&](int64_t m) { row::synthesize(approx, detail, len, m, plan_, even[m], odd[m]); };
+    auto edge = [&](int64_t m) {
+      row::synthesize(approx, detail, len, m, plan_, out[2 * m], out[2 * m + 1]);
+    };
     for (int64_t m = 0; m < first; ++m) edge(m);
+    with_taps([&](auto taps) {
+      constexpr int F = decltype(taps)::value;
+      if constexpr (F > 0) {
+        if (periodic)
+          idwt_interior<F, true>(approx, detail, first, last, out);
+        else
+          idwt_interior<F, false>(approx, detail, first, last, out);
+      } else {
+        for (int64_t m = first; m < last; ++m) edge(m);
+      }
+    });
     for (int64_t m = last; m < outputs; ++m) edge(m);
-    for (int64_t m = 0; m < outputs; ++m) {
-      out[2 * m] = even[m];
-      out[2 * m + 1] = odd[m];
-    }
     return 2 * outputs;
+  }
+
+  // Interior synthesis pairs [first, last) for a filter of F taps: both outputs of a pair summed
+  // in registers over q in ascending order, as row::synthesize does.
+  template <int F, bool Periodic>
+  void idwt_interior(const Acc* approx, const Acc* detail, int64_t first, int64_t last,
+                     Acc* out) const {
+    constexpr int phase = Periodic ? F / 2 : 1;
+    constexpr int q_lo = Periodic ? -((F / 2 + 1) / 2) : 0;
+    constexpr int q_hi = Periodic ? (F / 2 + 1) / 2 : F / 2 - 1;
+    Acc lo[F], hi[F];
+    for (int k = 0; k < F; ++k) lo[k] = dec_lo_[k], hi[k] = dec_hi_[k];
+    for (int64_t m = first; m < last; ++m) {
+      Acc even = 0, odd = 0;
+      for (int q = q_lo; q <= q_hi; ++q) {
+        const Acc a = approx[m + q], d = detail[m + q];
+        const int je = phase + 2 * q, jo = phase + 2 * q - 1;
+        if (je >= 0 && je < F) even += lo[je] * a + hi[je] * d;
+        if (jo >= 0 && jo < F) odd += lo[jo] * a + hi[jo] * d;
+      }
+      out[2 * m] = even;
+      out[2 * m + 1] = odd;
+    }
   }
 
   // Norm pass of a row: the DWT cascade into the workspace, then sum (m' / (sqrt(v') + eps))^2.
@@ -137,18 +195,19 @@ class GeneralAdam {
     for (int64_t l = 1; l <= a_.level; ++l) {
       Acc* approx = l == a_.level ? w : y;
       dwt_level(x, lengths_[l - 1], approx, w + detail_offset_[l]);
-      if (l < a_.level) std::copy(y, y + lengths_[l], x);
+      std::swap(x, y);  // this level's approximation is the next one's input
     }
     const S* m = static_cast<const S*>(a_.exp_avg) + r * a_.approx_len;
     const S* v = static_cast<const S*>(a_.exp_avg_sq) + r * a_.approx_len;
     const Acc eps = static_cast<Acc>(a_.eps);
-    double sum = 0;
+    Acc sum = 0;  // in lanes (a fixed order for a given build, whatever the thread count)
+#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < a_.approx_len; ++j) {
       const NewMoments<S, Acc> mv(a_, m[j], v[j], w[j]);
       const Acc normalized = mv.m / (std::sqrt(mv.v) + eps);
-      sum += static_cast<double>(normalized * normalized);
+      sum += normalized * normalized;
     }
-    return sum;
+    return static_cast<double>(sum);
   }
 
   // Update pass of a row: moments stored, coefficients normalised in place, IDWT, p updated.
@@ -166,32 +225,43 @@ class GeneralAdam {
     }
     // Details thresholded first when asked (PyWavelets' rules: soft x * max(1 - t / |x|, 0) with
     // 0 kept 0, hard 0 where |x| < t), then divided: detail i at level l shares the denominator of
-    // coefficient i >> (L - l).
+    // coefficient i >> (L - l). The denominators are spread level by level (each covers 2 finer
+    // details, as repeat_interleave in the reference) into the even/odd scratch rows, so that
+    // every division loop runs over contiguous arrays.
     const Acc t = static_cast<Acc>(a_.threshold);
     int64_t kept = 0;
+    const Acc* level_den = den;
     for (int64_t l = a_.level; l >= 1; --l) {
       Acc* d = w + detail_offset_[l];
-      const int64_t shift = a_.level - l;
-      for (int64_t i = 0; i < lengths_[l]; ++i) {
-        if (a_.threshold > 0) {
+      const int64_t len = lengths_[l];
+      if (a_.threshold > 0) {
+        for (int64_t i = 0; i < len; ++i) {
           d[i] = row::threshold_value(d[i], t, a_.threshold_soft);
           kept += d[i] != 0;
         }
-        d[i] /= den[i >> shift];
+      }
+      for (int64_t i = 0; i < len; ++i) d[i] /= level_den[i];
+      if (l > 1) {  // lengths_[l - 1] <= 2 * len
+        Acc* finer = level_den == even ? odd : even;
+        for (int64_t i = 0; i < len; ++i) finer[2 * i] = finer[2 * i + 1] = level_den[i];
+        level_den = finer;
       }
     }
     if (a_.kept_per_row != nullptr) a_.kept_per_row[r] = kept;
-    // IDWT cascade, coarsest first, dropping a trailing sample when one longer than the detail.
-    std::copy(w, w + a_.approx_len, x);
+    // IDWT cascade, coarsest first, dropping a trailing sample when one longer than the detail;
+    // each level writes into the scratch row the previous one did not.
+    const Acc* approx = w;
     int64_t len = a_.approx_len;
     for (int64_t l = a_.level; l >= 1; --l) {
       const int64_t detail_len = lengths_[l];
       if (len == detail_len + 1) len = detail_len;
       TORCH_INTERNAL_ASSERT(len == detail_len);
-      len = idwt_level(x, w + detail_offset_[l], len, y, even, odd);
-      std::copy(y, y + len, x);
+      len = idwt_level(approx, w + detail_offset_[l], len, x);
+      approx = x;
+      std::swap(x, y);
     }
     TORCH_INTERNAL_ASSERT(len >= a_.n);
+    x = y;  // the last level's output
     P* p = static_cast<P*>(a_.param) + r * a_.n;
     const Acc step = static_cast<Acc>(a_.step_size), keep = static_cast<Acc>(-a_.decay);
     for (int64_t i = 0; i < a_.n; ++i) {

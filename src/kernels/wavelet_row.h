@@ -106,15 +106,17 @@ GWT_ROW_FN int64_t analysis_offset(int taps, BoundaryMode mode) {
 /// Approximation and detail coefficient o of one analysis level of x[0, n).
 template <typename Acc, typename T>
 GWT_ROW_FN void analyze(const T* x, int64_t n, int64_t o, const RowPlan<Acc>& f, Acc& lo, Acc& hi) {
-  lo = 0, hi = 0;
+  Acc sum_lo = 0, sum_hi = 0;  // locals: lo and hi may alias x
   const int64_t base = 2 * o + analysis_offset(f.taps, f.mode);
   for (int k = 0; k < f.taps; ++k) {
     const int64_t s = extension_index(base + k, n, f.mode);
     if (s < 0) continue;
     const Acc value = to_acc<Acc>(x[s]);
-    lo += value * f.rec_lo[k];
-    hi += value * f.rec_hi[k];
+    sum_lo += value * f.rec_lo[k];
+    sum_hi += value * f.rec_hi[k];
   }
+  lo = sum_lo;
+  hi = sum_hi;
 }
 
 /// Number of output pairs of one synthesis level from len coefficients each (PyWavelets' idwt:
