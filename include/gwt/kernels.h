@@ -59,16 +59,20 @@ double haar_adam_norm_sq_cpu(const HaarAdamArgs& args);
 /// CPU update pass with limiter value lim (1 when the limiter is off or on the first step).
 void haar_adam_update_cpu(const HaarAdamArgs& args, double lim);
 
-/// Any orthogonal wavelet, any mode: the DWT of each row into a workspace, the moment update on
-/// the approximation, then the IDWT of the normalised coefficients into the parameter update.
-/// Same two passes as Haar: the norm pass writes only the workspace (the coefficients of every
-/// level, reused by the update pass), the update pass writes m, v and p.
+/// Any orthogonal wavelet, any mode: the DWT of each row, the moment update on the approximation,
+/// then the IDWT of the normalised coefficients into the parameter update. Same two passes as
+/// Haar: the norm pass writes nothing but scratch, the update pass writes m, v and p. With a
+/// workspace, the norm pass leaves every level's coefficients there for the update pass (CUDA);
+/// without one (CPU), each pass computes them in a per-thread scratch row: the update pass then
+/// reads the gradient again instead of the workspace, the same bytes, and no gradient-sized
+/// buffer exists.
 struct WaveletAdamArgs : HaarAdamArgs {
   const double* dec_lo = nullptr;  ///< decomposition filters (PyWavelets), filter_length each
   const double* dec_hi = nullptr;
   int64_t filter_length = 2;
   BoundaryMode boundary = BoundaryMode::zero;
-  void* workspace = nullptr;  ///< [rows, coeff_len] of the math type (double if math_f64)
+  void* workspace = nullptr;  ///< [rows, coeff_len] of the math type (double if math_f64); the
+                              ///< CUDA body needs it, the CPU body works without
   int64_t coeff_len = 0;      ///< per row: len(A_L) + len(D_L) + ... + len(D_1)
   /// PyWavelets' threshold on the details before normalisation (0 = off): soft or hard.
   double threshold = 0;

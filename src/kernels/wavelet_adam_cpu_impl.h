@@ -52,8 +52,9 @@ class GeneralAdam {
   double norm_sq() const {
     std::vector<double> partial(static_cast<size_t>(a_.rows), 0.0);
     at::parallel_for(0, a_.rows, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<Acc> x(scratch_len_), y(scratch_len_);
-      for (int64_t r = r0; r < r1; ++r) partial[r] = row_norm_sq(r, x.data(), y.data());
+      std::vector<Acc> x(scratch_len_), y(scratch_len_), w(static_cast<size_t>(a_.coeff_len));
+      for (int64_t r = r0; r < r1; ++r)
+        partial[r] = row_norm_sq(r, x.data(), y.data(), workspace_row(r, w.data()));
     });
     double sum = 0;
     for (double p : partial) sum += p;
@@ -63,14 +64,23 @@ class GeneralAdam {
   void update(Acc lim) const {
     at::parallel_for(0, a_.rows, 1, [&](int64_t r0, int64_t r1) {
       std::vector<Acc> x(scratch_len_), y(scratch_len_), den(static_cast<size_t>(a_.approx_len));
-      std::vector<Acc> even(scratch_len_), odd(scratch_len_);
-      for (int64_t r = r0; r < r1; ++r)
-        row_update(r, lim, x.data(), y.data(), den.data(), even.data(), odd.data());
+      std::vector<Acc> even(scratch_len_), odd(scratch_len_), w(static_cast<size_t>(a_.coeff_len));
+      for (int64_t r = r0; r < r1; ++r) {
+        Acc* row_w = workspace_row(r, w.data());
+        if (a_.workspace == nullptr) row_dwt(r, x.data(), y.data(), row_w);  // recomputed
+        row_update(r, lim, x.data(), y.data(), den.data(), even.data(), odd.data(), row_w);
+      }
     });
   }
 
  private:
-  Acc* workspace_row(int64_t r) const { return static_cast<Acc*>(a_.workspace) + r * a_.coeff_len; }
+  // Row r's coefficients: in the caller's workspace, which carries them from the norm pass to the
+  // update pass, or (no workspace) in the thread's scratch row, and then the update pass computes
+  // them again: that reads the gradient instead of the workspace (the same bytes) and needs no
+  // gradient-sized buffer.
+  Acc* workspace_row(int64_t r, Acc* scratch) const {
+    return a_.workspace != nullptr ? static_cast<Acc*>(a_.workspace) + r * a_.coeff_len : scratch;
+  }
 
   // One analysis level: coeff[o] = sum_k ext[2o + k + offset] * rec[k]. The interior, where no
   // tap leaves the row, runs tap by tap over all outputs (vectorisable); the edges use the mode.
@@ -187,16 +197,20 @@ class GeneralAdam {
     }
   }
 
-  // Norm pass of a row: the DWT cascade into the workspace, then sum (m' / (sqrt(v') + eps))^2.
-  double row_norm_sq(int64_t r, Acc* x, Acc* y) const {
+  // The DWT cascade of row r's gradient into w ([A_L | D_L | ... | D_1]).
+  void row_dwt(int64_t r, Acc* x, Acc* y, Acc* w) const {
     const P* g = static_cast<const P*>(a_.grad) + r * a_.n;
     for (int64_t i = 0; i < a_.n; ++i) x[i] = static_cast<Acc>(g[i]);
-    Acc* w = workspace_row(r);
     for (int64_t l = 1; l <= a_.level; ++l) {
       Acc* approx = l == a_.level ? w : y;
       dwt_level(x, lengths_[l - 1], approx, w + detail_offset_[l]);
       std::swap(x, y);  // this level's approximation is the next one's input
     }
+  }
+
+  // Norm pass of a row: the DWT cascade into w, then sum (m' / (sqrt(v') + eps))^2.
+  double row_norm_sq(int64_t r, Acc* x, Acc* y, Acc* w) const {
+    row_dwt(r, x, y, w);
     const S* m = static_cast<const S*>(a_.exp_avg) + r * a_.approx_len;
     const S* v = static_cast<const S*>(a_.exp_avg_sq) + r * a_.approx_len;
     const Acc eps = static_cast<Acc>(a_.eps);
@@ -211,8 +225,7 @@ class GeneralAdam {
   }
 
   // Update pass of a row: moments stored, coefficients normalised in place, IDWT, p updated.
-  void row_update(int64_t r, Acc lim, Acc* x, Acc* y, Acc* den, Acc* even, Acc* odd) const {
-    Acc* w = workspace_row(r);
+  void row_update(int64_t r, Acc lim, Acc* x, Acc* y, Acc* den, Acc* even, Acc* odd, Acc* w) const {
     S* m = static_cast<S*>(a_.exp_avg) + r * a_.approx_len;
     S* v = static_cast<S*>(a_.exp_avg_sq) + r * a_.approx_len;
     const Acc eps = static_cast<Acc>(a_.eps);
@@ -284,7 +297,7 @@ class GeneralAdam {
 template <typename Fn>
 auto with_kernel(const WaveletAdamArgs& args, Fn&& fn) {
   TORCH_INTERNAL_ASSERT(args.level >= 1 && args.n >= 1 && args.filter_length >= 2 &&
-                        args.filter_length % 2 == 0 && args.workspace != nullptr);
+                        args.filter_length % 2 == 0);
   return with_types(args, [&](auto types) {
     using T = decltype(types);
     return fn(GeneralAdam<typename T::param_t, typename T::state_t, typename T::acc_t>(args));
