@@ -65,7 +65,7 @@ __global__ void general_norm_pass(const P* __restrict__ grad, const S* __restric
                                   const S* __restrict__ v, Acc* __restrict__ workspace,
                                   const __grid_constant__ row::RowPlan<Acc> f, Acc* norm_sq_out) {
   const Scratch<Acc> scratch(f);
-  const BlockLanes lanes;
+  const BlockLanes lanes{};
   Acc sum = 0;
   for (int64_t r = blockIdx.x; r < f.rows; r += gridDim.x)
     sum += row::row_norm_sq<P, S, Acc>(lanes, f, grad + r * f.n, m + r * f.approx_len,
@@ -81,7 +81,7 @@ __global__ void general_update_pass(P* __restrict__ param, S* __restrict__ m, S*
                                     const __grid_constant__ row::RowPlan<Acc> f, const Acc* lim_ptr,
                                     int64_t* kept_per_row) {
   const Scratch<Acc> scratch(f);
-  const BlockLanes lanes;
+  const BlockLanes lanes{};
   const Acc lim = *lim_ptr;
   for (int64_t r = blockIdx.x; r < f.rows; r += gridDim.x) {
     int64_t kept = row::row_update<P, S, Acc>(lanes, f, lim, param + r * f.n, m + r * f.approx_len,
@@ -108,18 +108,17 @@ void launch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (norm_sq_out != nullptr) {
     auto kernel = general_norm_pass<P, S, Acc>;
-    if (bytes > 48 * 1024)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(bytes)));
+    // Always: the default cap (48 KiB less the kernel's static shared memory) is not ours to guess.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
     kernel<<<grid, k_threads, bytes, stream>>>(
         static_cast<const P*>(a.grad), static_cast<const S*>(a.exp_avg),
         static_cast<const S*>(a.exp_avg_sq), static_cast<Acc*>(a.workspace), f,
         static_cast<Acc*>(norm_sq_out));
   } else {
     auto kernel = general_update_pass<P, S, Acc>;
-    if (bytes > 48 * 1024)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(bytes)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
     kernel<<<grid, k_threads, bytes, stream>>>(
         static_cast<P*>(a.param), static_cast<S*>(a.exp_avg), static_cast<S*>(a.exp_avg_sq),
         static_cast<Acc*>(a.workspace), f, static_cast<const Acc*>(lim), a.kept_per_row);
@@ -128,8 +127,8 @@ void launch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
 }
 
 void dispatch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
+  if (a.rows == 0) return;  // (an empty workspace has no data pointer)
   TORCH_INTERNAL_ASSERT(a.level >= 1 && a.n >= 1 && a.workspace != nullptr);
-  if (a.rows == 0) return;
   with_types(a, [&](auto types) {
     using T = decltype(types);
     launch<typename T::param_t, typename T::state_t, typename T::acc_t>(a, norm_sq_out, lim);
@@ -139,7 +138,9 @@ void dispatch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
 }  // namespace
 
 int64_t wavelet_adam_cuda_max_scratch_bytes() {
-  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  // The opt-in limit covers static shared memory too (block_reduce's: at most 8 int64 values);
+  // 256 bytes leave room for it.
+  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) - 256;
 }
 
 void wavelet_adam_norm_sq_cuda(const WaveletAdamArgs& args, void* norm_sq_out) {

@@ -131,6 +131,19 @@ TEST(Errors, ChangedLevelAfterTrainingIsCaughtAtStep) {
   f.expect_unchanged();
 }
 
+TEST(Errors, MomentsThatAreNotWhereTheKernelsCanReadThemAreCaughtAtStep) {
+  // The fused kernels take raw pointers: moments replaced by a non-contiguous view (or, on a
+  // machine with a GPU, left on the CPU after the model moved) must not reach them.
+  Fixture f;
+  auto& s = static_cast<WaveletAdamParamState&>(*f.opt.state().at(f.w.unsafeGetTensorImpl()));
+  const at::Tensor m = s.exp_avg();
+  s.exp_avg(m.t().contiguous().t());  // same values and shape, transposed strides
+  f.snapshot = f.current();
+  f.w.mutable_grad() = at::randn({8, 32}, at::kDouble);
+  expect_error([&] { f.opt.step(); }, {"moments of a parameter", "not contiguous"});
+  f.expect_unchanged();
+}
+
 TEST(Errors, NonFiniteGradientSkipsTheStepAndCountsIt) {
   for (double bad : {k_nan, k_inf, -k_inf}) {
     Fixture f;

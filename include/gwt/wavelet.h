@@ -69,8 +69,9 @@ inline bool operator!=(const Wavelet& a, const Wavelet& b) {
 #else
 #define GWT_HOST_DEVICE
 #endif
-/// (Callable from CUDA device code too: the CUDA kernels extend rows with the same rule.)
-GWT_HOST_DEVICE inline int64_t extension_index(int64_t t, int64_t n, BoundaryMode mode) {
+/// (Callable from CUDA device code too: the CUDA kernels extend rows with the same rule. Static:
+/// each translation unit keeps its own copy, built for its own instruction set.)
+GWT_HOST_DEVICE static inline int64_t extension_index(int64_t t, int64_t n, BoundaryMode mode) {
   if (t >= 0 && t < n) return t;
   switch (mode) {
     case BoundaryMode::zero:

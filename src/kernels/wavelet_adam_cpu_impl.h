@@ -28,6 +28,7 @@
 namespace gwt {
 namespace kernels {
 namespace GWT_KERNEL_NS {
+namespace {  // internal linkage, as the row bodies it holds (wavelet_row.h)
 
 template <typename P, typename S, typename Acc>
 class GeneralAdam {
@@ -315,6 +316,7 @@ inline void wavelet_adam_update(const WaveletAdamArgs& args, double lim) {
   });
 }
 
+}  // namespace
 }  // namespace GWT_KERNEL_NS
 }  // namespace kernels
 }  // namespace gwt

@@ -29,6 +29,9 @@
 namespace gwt {
 namespace kernels {
 namespace row {
+// Internal linkage for everything here: the CPU kernels are compiled twice, for two instruction
+// sets, and a shared inline symbol could hand the AVX2 copy to the baseline build.
+namespace {
 
 constexpr int k_max_taps = 32;    // the longest filter gwt has is 18 (coif3)
 constexpr int k_max_levels = 62;  // rows are shorter than 2^62
@@ -275,6 +278,7 @@ GWT_ROW_FN int64_t row_update(const Lanes& lanes, const RowPlan<Acc>& f, Acc lim
   return kept;
 }
 
+}  // namespace
 }  // namespace row
 }  // namespace kernels
 }  // namespace gwt

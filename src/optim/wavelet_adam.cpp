@@ -1,6 +1,7 @@
 #include "gwt/optim/wavelet_adam.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -368,7 +369,8 @@ Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& 
   if (param.is_cuda()) {
     if (!kernels::built_with_cuda()) return Path::reference;
     if (haar_local && o.level() <= 3) return Path::haar;
-    // The general CUDA kernel keeps a row's scratch in shared memory.
+    // The general CUDA kernel keeps a row's scratch in shared memory (of the parameter's device).
+    const c10::DeviceGuard device(param.device());
     const Wavelet wavelet(o.wavelet());
     const int64_t bytes = kernels::wavelet_row_scratch_bytes(
         param.size(-1), wavelet.length(), o.level(), boundary_mode_from_string(o.boundary()),
@@ -422,6 +424,8 @@ kernels::WaveletAdamArgs general_args(const Work& work, double step_size) {
 // Norm pass of the fused kernels: writes no optimizer state, so a non-finite gradient (which makes
 // the result NaN) can still skip the step with nothing changed.
 void fused_norm_pass(Work& work) {
+  c10::OptionalDeviceGuard device;  // kernels launch on the current device: the parameter's
+  if (work.param.is_cuda()) device.reset_device(work.param.device());
   work.grad = work.param.grad().to(work.param.scalar_type()).contiguous();
   const auto acc = work.param.options().dtype(compute_dtype(work.param));
   if (work.path == Path::general) {
@@ -469,6 +473,8 @@ void general_update(const Work& work, WaveletAdamParamState& state, double step_
 
 // Update pass: the limiter of SPEC 1.1 from the norm pass's result, then the kernel.
 void fused_update(const Work& work, WaveletAdamParamState& state, double step_size) {
+  c10::OptionalDeviceGuard device;
+  if (work.param.is_cuda()) device.reset_device(work.param.device());
   const WaveletAdamOptions& o = *work.options;
   const double gamma = o.norm_growth_limit();
   if (!work.param.is_cuda()) {
@@ -581,8 +587,17 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       optim_detail::check_grad("gwt::WaveletAdam", param, grad);
       Plan plan = plan_for(param, options);
       auto it = state_.find(param.unsafeGetTensorImpl());
-      if (it != state_.end())
-        check_state(static_cast<const WaveletAdamParamState&>(*it->second), param, plan);
+      if (it != state_.end()) {
+        const auto& state = static_cast<const WaveletAdamParamState&>(*it->second);
+        check_state(state, param, plan);
+        // The kernels take raw pointers: the moments must live where the parameter does.
+        for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()})
+          TORCH_CHECK(t->device() == param.device() && t->is_contiguous(),
+                      "gwt::WaveletAdam: the moments of a parameter on ", param.device(),
+                      " are on ", t->device(), t->is_contiguous() ? "" : " (not contiguous)",
+                      "; move the model before the first step, or save the optimizer and load "
+                      "it again after moving the model");
+      }
       Work w;
       w.param = param;
       w.options = &options;
