@@ -2,11 +2,12 @@
 // symmetric mode (see include/gwt/kernels.h for the seam).
 //
 // One thread block per row (grid-stride over rows): the threads of a block share the row's DWT
-// and IDWT level by level, with the intermediate approximations and the denominators in shared
-// memory and the coefficients of every level in the workspace, as on the CPU. The row bodies are
-// src/kernels/wavelet_row.h, which the tests also run on the host (one lane), so the arithmetic
-// here is the arithmetic tested there. Nothing waits for the host: the norm pass adds into a
-// device scalar, the update pass reads the limiter value from one.
+// and IDWT level by level. Everything a row needs lives in shared memory: its coefficients of
+// every level, two scratch rows and the denominators; the update pass computes the coefficients
+// again from the gradient, so no gradient-sized buffer exists and each pass reads the gradient
+// once. The row bodies are src/kernels/wavelet_row.h, which the tests also run on the host (one
+// lane), so the arithmetic here is the arithmetic tested there. Nothing waits for the host: the
+// norm pass adds into a device scalar, the update pass reads the limiter value from one.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -49,12 +50,15 @@ struct BlockLanes {
   }
 };
 
+// Shared memory of a block, in the order of wavelet_row_scratch_bytes(): the row's coefficients,
+// two scratch rows, the denominators.
 template <typename Acc>
 struct Scratch {
-  Acc *buf0, *buf1, *den;
+  Acc *w, *buf0, *buf1, *den;
   __device__ explicit Scratch(const row::RowPlan<Acc>& f) {
     extern __shared__ __align__(16) unsigned char shared[];
-    buf0 = reinterpret_cast<Acc*>(shared);
+    w = reinterpret_cast<Acc*>(shared);
+    buf0 = w + f.coeff_len;
     buf1 = buf0 + f.buffer_len;
     den = buf1 + f.buffer_len;
   }
@@ -62,31 +66,31 @@ struct Scratch {
 
 template <typename P, typename S, typename Acc>
 __global__ void general_norm_pass(const P* __restrict__ grad, const S* __restrict__ m,
-                                  const S* __restrict__ v, Acc* __restrict__ workspace,
+                                  const S* __restrict__ v,
                                   const __grid_constant__ row::RowPlan<Acc> f, Acc* norm_sq_out) {
   const Scratch<Acc> scratch(f);
   const BlockLanes lanes{};
   Acc sum = 0;
   for (int64_t r = blockIdx.x; r < f.rows; r += gridDim.x)
     sum += row::row_norm_sq<P, S, Acc>(lanes, f, grad + r * f.n, m + r * f.approx_len,
-                                       v + r * f.approx_len, workspace + r * f.coeff_len,
-                                       scratch.buf0, scratch.buf1);
+                                       v + r * f.approx_len, scratch.w, scratch.buf0, scratch.buf1);
   sum = block_reduce(sum);
   if (threadIdx.x == 0) atomicAdd(norm_sq_out, sum);
 }
 
 template <typename P, typename S, typename Acc>
-__global__ void general_update_pass(P* __restrict__ param, S* __restrict__ m, S* __restrict__ v,
-                                    Acc* __restrict__ workspace,
+__global__ void general_update_pass(P* __restrict__ param, const P* __restrict__ grad,
+                                    S* __restrict__ m, S* __restrict__ v,
                                     const __grid_constant__ row::RowPlan<Acc> f, const Acc* lim_ptr,
                                     int64_t* kept_per_row) {
   const Scratch<Acc> scratch(f);
   const BlockLanes lanes{};
   const Acc lim = *lim_ptr;
   for (int64_t r = blockIdx.x; r < f.rows; r += gridDim.x) {
+    row::row_dwt<P, Acc>(lanes, f, grad + r * f.n, scratch.w, scratch.buf0, scratch.buf1);
     int64_t kept = row::row_update<P, S, Acc>(lanes, f, lim, param + r * f.n, m + r * f.approx_len,
-                                              v + r * f.approx_len, workspace + r * f.coeff_len,
-                                              scratch.buf0, scratch.buf1, scratch.den);
+                                              v + r * f.approx_len, scratch.w, scratch.buf0,
+                                              scratch.buf1, scratch.den);
     if (kept_per_row != nullptr) {  // the same for every thread of the block
       kept = block_reduce(kept);
       if (threadIdx.x == 0) kept_per_row[r] = kept;
@@ -97,7 +101,8 @@ __global__ void general_update_pass(P* __restrict__ param, S* __restrict__ m, S*
 template <typename P, typename S, typename Acc>
 void launch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
   const row::RowPlan<Acc> f = row::make_row_plan<Acc>(a);
-  const int64_t bytes = (2 * f.buffer_len + f.approx_len) * static_cast<int64_t>(sizeof(Acc));
+  const int64_t bytes =
+      (f.coeff_len + 2 * f.buffer_len + f.approx_len) * static_cast<int64_t>(sizeof(Acc));
   TORCH_INTERNAL_ASSERT(
       bytes == wavelet_row_scratch_bytes(a.n, a.filter_length, a.level, a.boundary, a.math_f64));
   TORCH_CHECK(bytes <= wavelet_adam_cuda_max_scratch_bytes(), "gwt: a row of length ", a.n,
@@ -113,22 +118,21 @@ void launch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
                                         static_cast<int>(bytes)));
     kernel<<<grid, k_threads, bytes, stream>>>(
         static_cast<const P*>(a.grad), static_cast<const S*>(a.exp_avg),
-        static_cast<const S*>(a.exp_avg_sq), static_cast<Acc*>(a.workspace), f,
-        static_cast<Acc*>(norm_sq_out));
+        static_cast<const S*>(a.exp_avg_sq), f, static_cast<Acc*>(norm_sq_out));
   } else {
     auto kernel = general_update_pass<P, S, Acc>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(bytes)));
     kernel<<<grid, k_threads, bytes, stream>>>(
-        static_cast<P*>(a.param), static_cast<S*>(a.exp_avg), static_cast<S*>(a.exp_avg_sq),
-        static_cast<Acc*>(a.workspace), f, static_cast<const Acc*>(lim), a.kept_per_row);
+        static_cast<P*>(a.param), static_cast<const P*>(a.grad), static_cast<S*>(a.exp_avg),
+        static_cast<S*>(a.exp_avg_sq), f, static_cast<const Acc*>(lim), a.kept_per_row);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void dispatch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
-  if (a.rows == 0) return;  // (an empty workspace has no data pointer)
-  TORCH_INTERNAL_ASSERT(a.level >= 1 && a.n >= 1 && a.workspace != nullptr);
+  if (a.rows == 0) return;
+  TORCH_INTERNAL_ASSERT(a.level >= 1 && a.n >= 1);
   with_types(a, [&](auto types) {
     using T = decltype(types);
     launch<typename T::param_t, typename T::state_t, typename T::acc_t>(a, norm_sq_out, lim);

@@ -364,17 +364,20 @@ struct EmulatedGeneralKernel {
     a.coeff_len = k::wavelet_workspace_len(n, wavelet.length(), o.level(), mode);
     a.threshold = o.threshold(), a.threshold_soft = o.threshold_mode() == "soft";
     const auto f = k::row::make_row_plan<Acc>(a);
-    std::vector<Acc> workspace(rows * a.coeff_len), buf0(f.buffer_len), buf1(f.buffer_len),
-        den(approx_len);
+    // What one CUDA block keeps in shared memory: the row's coefficients, two scratch rows and the
+    // denominators (cuda/wavelet_adam.cu), reused row after row.
+    std::vector<Acc> w(a.coeff_len), buf0(f.buffer_len), buf1(f.buffer_len), den(approx_len);
+    EXPECT_EQ(static_cast<int64_t>((w.size() + 2 * buf0.size() + den.size()) * sizeof(Acc)),
+              k::wavelet_row_scratch_bytes(n, a.filter_length, a.level, mode, sizeof(Acc) == 8));
     const k::row::HostLanes lanes;
     const P* gp = g.data_ptr<P>();
     P* pp = p.data_ptr<P>();
     S *mp = m.data_ptr<S>(), *vp = v.data_ptr<S>();
     Acc norm_sq = 0;
     for (int64_t r = 0; r < rows; ++r)
-      norm_sq += k::row::row_norm_sq<P, S, Acc>(
-          lanes, f, gp + r * n, mp + r * approx_len, vp + r * approx_len,
-          workspace.data() + r * a.coeff_len, buf0.data(), buf1.data());
+      norm_sq +=
+          k::row::row_norm_sq<P, S, Acc>(lanes, f, gp + r * n, mp + r * approx_len,
+                                         vp + r * approx_len, w.data(), buf0.data(), buf1.data());
     const double now = std::sqrt(static_cast<double>(norm_sq)), gamma = o.norm_growth_limit();
     double lim = 1;
     if (!norm.defined()) {
@@ -384,10 +387,12 @@ struct EmulatedGeneralKernel {
       norm = at::scalar_tensor(now / lim, acc);
     }
     kept = 0;
-    for (int64_t r = 0; r < rows; ++r)
-      kept += k::row::row_update<P, S, Acc>(
-          lanes, f, static_cast<Acc>(lim), pp + r * n, mp + r * approx_len, vp + r * approx_len,
-          workspace.data() + r * a.coeff_len, buf0.data(), buf1.data(), den.data());
+    for (int64_t r = 0; r < rows; ++r) {  // the update pass computes the coefficients again
+      k::row::row_dwt<P, Acc>(lanes, f, gp + r * n, w.data(), buf0.data(), buf1.data());
+      kept += k::row::row_update<P, S, Acc>(lanes, f, static_cast<Acc>(lim), pp + r * n,
+                                            mp + r * approx_len, vp + r * approx_len, w.data(),
+                                            buf0.data(), buf1.data(), den.data());
+    }
   }
 };
 

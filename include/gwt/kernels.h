@@ -61,19 +61,16 @@ void haar_adam_update_cpu(const HaarAdamArgs& args, double lim);
 
 /// Any orthogonal wavelet, any mode: the DWT of each row, the moment update on the approximation,
 /// then the IDWT of the normalised coefficients into the parameter update. Same two passes as
-/// Haar: the norm pass writes nothing but scratch, the update pass writes m, v and p. With a
-/// workspace, the norm pass leaves every level's coefficients there for the update pass (CUDA);
-/// without one (CPU), each pass computes them in a per-thread scratch row: the update pass then
-/// reads the gradient again instead of the workspace, the same bytes, and no gradient-sized
+/// Haar: the norm pass writes nothing, the update pass writes m, v and p. Each pass computes a
+/// row's coefficients of every level in scratch (per CPU thread, per CUDA block in shared memory),
+/// so the update pass reads the gradient again rather than a workspace, and no gradient-sized
 /// buffer exists.
 struct WaveletAdamArgs : HaarAdamArgs {
   const double* dec_lo = nullptr;  ///< decomposition filters (PyWavelets), filter_length each
   const double* dec_hi = nullptr;
   int64_t filter_length = 2;
   BoundaryMode boundary = BoundaryMode::zero;
-  void* workspace = nullptr;  ///< [rows, coeff_len] of the math type (double if math_f64); the
-                              ///< CUDA body needs it, the CPU body works without
-  int64_t coeff_len = 0;      ///< per row: len(A_L) + len(D_L) + ... + len(D_1)
+  int64_t coeff_len = 0;  ///< per row: len(A_L) + len(D_L) + ... + len(D_1)
   /// PyWavelets' threshold on the details before normalisation (0 = off): soft or hard.
   double threshold = 0;
   bool threshold_soft = true;
@@ -81,7 +78,7 @@ struct WaveletAdamArgs : HaarAdamArgs {
                                     ///< tensors' device)
 };
 
-/// Per-row coefficient count of WaveletAdamArgs::workspace for a row of length n.
+/// Coefficients of every level of one row of length n: len(A_L) + len(D_L) + ... + len(D_1).
 int64_t wavelet_workspace_len(int64_t n, int64_t filter_length, int64_t level,
                               BoundaryMode boundary);
 
@@ -95,8 +92,9 @@ void wavelet_adam_update_cpu(const WaveletAdamArgs& args, double lim);
 void wavelet_adam_norm_sq_cuda(const WaveletAdamArgs& args, void* norm_sq_out);
 void wavelet_adam_update_cuda(const WaveletAdamArgs& args, const void* lim);
 
-/// Shared memory the CUDA general kernel needs per block for rows of length n: two scratch rows
-/// (an intermediate approximation or synthesis output) and the denominators.
+/// Shared memory the CUDA general kernel needs per block for rows of length n: the row's
+/// coefficients, two scratch rows (an intermediate approximation or synthesis output) and the
+/// denominators.
 int64_t wavelet_row_scratch_bytes(int64_t n, int64_t filter_length, int64_t level,
                                   BoundaryMode boundary, bool math_f64);
 

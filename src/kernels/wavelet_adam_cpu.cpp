@@ -32,8 +32,10 @@ int64_t wavelet_row_scratch_bytes(int64_t n, int64_t filter_length, int64_t leve
   const int64_t first = dwt_coeff_len(n, filter_length, boundary);
   int64_t approx = first;
   for (int64_t l = 1; l < level; ++l) approx = dwt_coeff_len(approx, filter_length, boundary);
-  // As row::make_row_plan: buffers of lengths[1] + F, then approx_len denominators.
-  return (2 * (first + filter_length) + approx) * (math_f64 ? 8 : 4);
+  // As row::make_row_plan and cuda/wavelet_adam.cu: the coefficients, two buffers of
+  // lengths[1] + F, then approx_len denominators.
+  const int64_t coefficients = wavelet_workspace_len(n, filter_length, level, boundary);
+  return (coefficients + 2 * (first + filter_length) + approx) * (math_f64 ? 8 : 4);
 }
 
 double wavelet_adam_norm_sq_cpu(const WaveletAdamArgs& args) {

@@ -2,7 +2,7 @@
 // symmetric. Included by wavelet_adam_cpu.cpp (baseline ISA) and wavelet_adam_cpu_avx2.cpp
 // (-mavx2 -mfma), each with its own GWT_KERNEL_NS.
 //
-// Per row: the DWT cascade writes every level's coefficients into the workspace (norm pass); the
+// Per row: the DWT cascade writes every level's coefficients into a scratch row (each pass); the
 // update pass normalises them in place and runs the IDWT cascade into a per-thread scratch row.
 // The formulas are those of src/transform.cpp (PyWavelets' conventions), written as loops.
 
@@ -54,8 +54,7 @@ class GeneralAdam {
     std::vector<double> partial(static_cast<size_t>(a_.rows), 0.0);
     at::parallel_for(0, a_.rows, 1, [&](int64_t r0, int64_t r1) {
       std::vector<Acc> x(scratch_len_), y(scratch_len_), w(static_cast<size_t>(a_.coeff_len));
-      for (int64_t r = r0; r < r1; ++r)
-        partial[r] = row_norm_sq(r, x.data(), y.data(), workspace_row(r, w.data()));
+      for (int64_t r = r0; r < r1; ++r) partial[r] = row_norm_sq(r, x.data(), y.data(), w.data());
     });
     double sum = 0;
     for (double p : partial) sum += p;
@@ -67,22 +66,13 @@ class GeneralAdam {
       std::vector<Acc> x(scratch_len_), y(scratch_len_), den(static_cast<size_t>(a_.approx_len));
       std::vector<Acc> even(scratch_len_), odd(scratch_len_), w(static_cast<size_t>(a_.coeff_len));
       for (int64_t r = r0; r < r1; ++r) {
-        Acc* row_w = workspace_row(r, w.data());
-        if (a_.workspace == nullptr) row_dwt(r, x.data(), y.data(), row_w);  // recomputed
-        row_update(r, lim, x.data(), y.data(), den.data(), even.data(), odd.data(), row_w);
+        row_dwt(r, x.data(), y.data(), w.data());  // computed again: see kernels.h
+        row_update(r, lim, x.data(), y.data(), den.data(), even.data(), odd.data(), w.data());
       }
     });
   }
 
  private:
-  // Row r's coefficients: in the caller's workspace, which carries them from the norm pass to the
-  // update pass, or (no workspace) in the thread's scratch row, and then the update pass computes
-  // them again: that reads the gradient instead of the workspace (the same bytes) and needs no
-  // gradient-sized buffer.
-  Acc* workspace_row(int64_t r, Acc* scratch) const {
-    return a_.workspace != nullptr ? static_cast<Acc*>(a_.workspace) + r * a_.coeff_len : scratch;
-  }
-
   // One analysis level: coeff[o] = sum_k ext[2o + k + offset] * rec[k]. The interior, where no
   // tap leaves the row, runs tap by tap over all outputs (vectorisable); the edges use the mode.
   void dwt_level(const Acc* x, int64_t n, Acc* approx, Acc* detail) const {

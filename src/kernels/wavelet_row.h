@@ -176,11 +176,13 @@ struct HostLanes {
   void sync() const {}
 };
 
-/// Norm pass of row r: the DWT cascade into the workspace row w (scratch rows buf0, buf1), then
-/// this lane's share of sum (m' / (sqrt(v') + eps))^2. Writes nothing but w and the scratch.
-template <typename P, typename S, typename Acc, typename Lanes>
-GWT_ROW_FN Acc row_norm_sq(const Lanes& lanes, const RowPlan<Acc>& f, const P* g, const S* m,
-                           const S* v, Acc* w, Acc* buf0, Acc* buf1) {
+/// The DWT cascade of one row's gradient g into w ([A_L | D_L | ... | D_1], coeff_len values;
+/// scratch rows buf0, buf1). Starts with a barrier, so that the lanes may still be reading the
+/// previous row's w when they call it.
+template <typename P, typename Acc, typename Lanes>
+GWT_ROW_FN void row_dwt(const Lanes& lanes, const RowPlan<Acc>& f, const P* g, Acc* w, Acc* buf0,
+                        Acc* buf1) {
+  lanes.sync();
   const Acc* previous = nullptr;
   for (int l = 1; l <= f.level; ++l) {
     Acc* approx = l == f.level ? w : (l % 2 == 1 ? buf0 : buf1);
@@ -197,6 +199,14 @@ GWT_ROW_FN Acc row_norm_sq(const Lanes& lanes, const RowPlan<Acc>& f, const P* g
     lanes.sync();
     previous = approx;
   }
+}
+
+/// Norm pass of one row: row_dwt into w, then this lane's share of sum (m' / (sqrt(v') + eps))^2.
+/// Writes nothing but w and the scratch.
+template <typename P, typename S, typename Acc, typename Lanes>
+GWT_ROW_FN Acc row_norm_sq(const Lanes& lanes, const RowPlan<Acc>& f, const P* g, const S* m,
+                           const S* v, Acc* w, Acc* buf0, Acc* buf1) {
+  row_dwt(lanes, f, g, w, buf0, buf1);
   Acc sum = 0;
   for (int64_t j = lanes.lane(); j < f.approx_len; j += lanes.lanes()) {
     Acc m_new, v_new;
@@ -208,8 +218,8 @@ GWT_ROW_FN Acc row_norm_sq(const Lanes& lanes, const RowPlan<Acc>& f, const P* g
   return sum;
 }
 
-/// Update pass of row r after its norm pass: m, v <- m', v'; the approximation becomes
-/// m' / (denominator lim), each detail (thresholded first when asked) is divided by its
+/// Update pass of one row, w holding its coefficients (row_dwt): m, v <- m', v'; the approximation
+/// becomes m' / (denominator lim), each detail (thresholded first when asked) is divided by its
 /// coefficient's denominator times lim; the IDWT cascade (scratch buf0, buf1) gives the update,
 /// p <- x + keep x with x = p - step_size * update. den: approx_len values of scratch. Returns
 /// this lane's count of details kept by the threshold.

@@ -227,10 +227,9 @@ struct Work {
   const WaveletAdamOptions* options;
   Plan plan;
   Path path = Path::reference;
-  at::Tensor grad;                         // fused: contiguous, in the param's dtype
-  at::Tensor workspace;                    // general CUDA kernel: every level's coefficients
-  std::shared_ptr<const Wavelet> wavelet;  // general kernel: the filters
-  WaveletAdamParamState* state = nullptr;  // existing state, or fresh_state
+  at::Tensor grad;                                     // fused: contiguous, in the param's dtype
+  std::shared_ptr<const Wavelet> wavelet;              // general kernel: the filters
+  WaveletAdamParamState* state = nullptr;              // existing state, or fresh_state
   std::unique_ptr<WaveletAdamParamState> fresh_state;  // committed only if the step is taken
   at::Tensor norm_sq;                                  // fused: result of the norm pass (0-dim)
 };
@@ -413,7 +412,6 @@ kernels::WaveletAdamArgs general_args(const Work& work, double step_size) {
   args.dec_hi = work.wavelet->dec_hi().data();
   args.filter_length = work.wavelet->length();
   args.boundary = boundary_mode_from_string(work.options->boundary());
-  args.workspace = work.workspace.defined() ? work.workspace.data_ptr() : nullptr;
   args.coeff_len = kernels::wavelet_workspace_len(work.param.size(-1), args.filter_length,
                                                   args.level, args.boundary);
   args.threshold = work.options->threshold();
@@ -430,12 +428,7 @@ void fused_norm_pass(Work& work) {
   const auto acc = work.param.options().dtype(compute_dtype(work.param));
   if (work.path == Path::general) {
     work.wavelet = std::make_shared<const Wavelet>(work.options->wavelet());
-    if (work.param.is_cuda()) {  // the CUDA body carries the coefficients between its passes
-      const int64_t n = work.param.size(-1);
-      const int64_t len =
-          kernels::wavelet_workspace_len(n, work.wavelet->length(), work.options->level(),
-                                         boundary_mode_from_string(work.options->boundary()));
-      work.workspace = at::empty({work.param.numel() / n, len}, acc);
+    if (work.param.is_cuda()) {
       work.norm_sq = at::zeros({}, acc);
       kernels::wavelet_adam_norm_sq_cuda(general_args(work, 0.0), work.norm_sq.data_ptr());
     } else {
