@@ -148,7 +148,9 @@ class HaarAdam {
     if constexpr (k_simd) {
       if (from > 0) {
         const float* g = static_cast<const float*>(a_.grad) + tl.element_row * a_.n + tl.first * B;
-        sum = simd::norm_sq<B>(simd_constants(), g, a_.n, tl.height, m, v, from);
+        sum = tl.height == 1 ? simd::norm_sq<B>(simd_constants(), g, a_.n, 1, m, v, from)
+                             : simd::norm_sq_by_rows<B>(simd_constants(), g, a_.n, tl.height, m, v,
+                                                        from, approx);
       }
     }
 #endif
@@ -174,8 +176,13 @@ class HaarAdam {
     const Acc keep = static_cast<Acc>(-a_.decay);
 #ifdef GWT_HAAR_SIMD
     if constexpr (k_simd) {
-      if (from > 0)
-        simd::update<B>(simd_constants(), g, p, a_.n, tl.height, m, v, from, step, lim, keep);
+      if (from > 0 && tl.height == 1) {
+        simd::update<B>(simd_constants(), g, p, a_.n, 1, m, v, from, step, lim, keep);
+      } else if (from > 0) {
+        Acc factor[k_tile];
+        simd::update_by_rows<B>(simd_constants(), g, p, a_.n, tl.height, m, v, from, step, lim,
+                                keep, approx, factor);
+      }
     }
 #endif
     // approx[j] becomes the block's shift, factor[j] its step / denominator.

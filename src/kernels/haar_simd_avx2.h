@@ -138,6 +138,68 @@ inline void update(const StepConstants& c, const float* g, float* p, int64_t str
   }
 }
 
+// The 2-D transform: a tile's blocks span `height` rows. Reading them block by block would jump
+// between rows every 8 coefficients; these read each row from start to end instead, with the
+// tile's coefficients (count <= 512, a multiple of 8) in the caller's L1-sized arrays.
+
+/// a[j] = (sum of block j over the rows) * scale, row after row.
+template <int B>
+inline void approx_by_rows(const StepConstants& c, const float* g, int64_t stride, int64_t height,
+                           int64_t count, float* a) {
+  for (int64_t j = 0; j < count; j += 8) _mm256_storeu_ps(a + j, block_sums8<B>(g + j * B));
+  for (int64_t r = 1; r < height; ++r)
+    for (int64_t j = 0; j < count; j += 8)
+      _mm256_storeu_ps(
+          a + j, _mm256_add_ps(_mm256_loadu_ps(a + j), block_sums8<B>(g + r * stride + j * B)));
+  for (int64_t j = 0; j < count; j += 8)
+    _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_loadu_ps(a + j), c.scale));
+}
+
+template <int B>
+inline float norm_sq_by_rows(const StepConstants& c, const float* g, int64_t stride, int64_t height,
+                             const float* m, const float* v, int64_t count, float* a) {
+  approx_by_rows<B>(c, g, stride, height, count, a);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 8) {
+    const Moments8 mv(c, m + j, v + j, _mm256_loadu_ps(a + j));
+    const __m256 normalized = _mm256_div_ps(mv.m, mv.denom);
+    acc = _mm256_fmadd_ps(normalized, normalized, acc);
+  }
+  return lane_sum(acc);
+}
+
+/// As update(), the blocks' factors and shifts first (into a and factor), then row after row.
+template <int B>
+inline void update_by_rows(const StepConstants& c, const float* g, float* p, int64_t stride,
+                           int64_t height, float* m, float* v, int64_t count, float step, float lim,
+                           float keep, float* a, float* factor) {
+  approx_by_rows<B>(c, g, stride, height, count, a);
+  const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
+  const __m256 keep_v = _mm256_set1_ps(keep);
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256 aj = _mm256_loadu_ps(a + j);
+    const Moments8 mv(c, m + j, v + j, aj);
+    _mm256_storeu_ps(m + j, mv.m);
+    _mm256_storeu_ps(v + j, mv.v);
+    _mm256_storeu_ps(factor + j, _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v)));
+    _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_sub_ps(mv.m, aj), c.scale));  // the shift
+  }
+  for (int64_t r = 0; r < height; ++r)
+    for (int64_t j = 0; j < count; j += 8) {
+      const __m256 fj = _mm256_loadu_ps(factor + j), sj = _mm256_loadu_ps(a + j);
+      const float* gj = g + r * stride + j * B;
+      float* pj = p + r * stride + j * B;
+      for (int k = 0; k < B; ++k) {
+        const __m256i idx = spread<B>(k);
+        const __m256 gs =
+            _mm256_add_ps(_mm256_loadu_ps(gj + 8 * k), _mm256_permutevar8x32_ps(sj, idx));
+        const __m256 x =
+            _mm256_fnmadd_ps(_mm256_permutevar8x32_ps(fj, idx), gs, _mm256_loadu_ps(pj + 8 * k));
+        _mm256_storeu_ps(pj + 8 * k, _mm256_fmadd_ps(keep_v, x, x));
+      }
+    }
+}
+
 }  // namespace simd
 }  // namespace
 }  // namespace kernels
