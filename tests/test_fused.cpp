@@ -149,7 +149,7 @@ TEST(Fused, HaarMatchesReferenceInFloat64) {
 }
 
 TEST(Fused, GeneralWaveletsMatchReferenceForEveryModeAndLevel) {
-  for (const std::string wavelet : {"db2", "sym3", "coif1", "db4"})
+  for (const std::string wavelet : {"db2", "sym3", "coif1", "db4", "db5", "sym8", "coif3"})
     for (const std::string boundary : {"zero", "periodization", "symmetric"})
       for (int64_t level : {1, 2, 3}) {
         SCOPED_TRACE(wavelet + " " + boundary + " level " + std::to_string(level));

@@ -89,7 +89,8 @@ class GeneralAdam {
     for (int64_t o = last; o < len; ++o) edge(o);
   }
 
-  // Calls fn(std::integral_constant<int, F>) for the filter lengths gwt has (0: any other).
+  // Calls fn(std::integral_constant<int, F>) for the filter lengths gwt has (2 to 18; 0: any
+  // other).
   template <typename Fn>
   void with_taps(Fn&& fn) const {
     switch (taps_) {
@@ -101,6 +102,16 @@ class GeneralAdam {
         return fn(std::integral_constant<int, 6>{});
       case 8:
         return fn(std::integral_constant<int, 8>{});
+      case 10:
+        return fn(std::integral_constant<int, 10>{});
+      case 12:
+        return fn(std::integral_constant<int, 12>{});
+      case 14:
+        return fn(std::integral_constant<int, 14>{});
+      case 16:
+        return fn(std::integral_constant<int, 16>{});
+      case 18:
+        return fn(std::integral_constant<int, 18>{});
       default:
         return fn(std::integral_constant<int, 0>{});
     }
