@@ -160,13 +160,15 @@ CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wave
     const at::Tensor flat = kept.contiguous().view({-1});
     const at::Tensor indices = flat.nonzero().view({-1});
     // 4 bytes per kept coefficient against 1 bit per coefficient.
-    const bool bitmask = positions == "bitmask" ||
-                         (positions == "auto" && 4 * indices.numel() > (flat.numel() + 7) / 8);
+    const bool too_long = flat.numel() >= (int64_t{1} << 31);  // for int32 indices
+    const bool bitmask =
+        positions == "bitmask" ||
+        (positions == "auto" && (too_long || 4 * indices.numel() > (flat.numel() + 7) / 8));
     if (bitmask) {
       c.detail_indices.emplace_back();
       c.detail_masks.push_back(pack_bits(flat.ne(0)));
     } else {
-      TORCH_CHECK(flat.numel() < (int64_t{1} << 31),
+      TORCH_CHECK(!too_long,
                   "gwt::compress_gradient: a subband too large for int32 indices; use "
                   "positions \"bitmask\"");
       c.detail_indices.push_back(indices.to(at::kInt));
@@ -211,7 +213,11 @@ at::Tensor decompress_gradient(const CompressedGradient& c) {
 
 torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
                                             const CompressedGradient& c) {
-  archive.write("format", c10::IValue(std::string("gwt.CompressedGradient.v1")));
+  // v1: indices only (older gwt reads those); v2: some level has a bitmask.
+  bool masks = false;
+  for (const at::Tensor& mask : c.detail_masks) masks = masks || mask.defined();
+  archive.write("format", c10::IValue(std::string(masks ? "gwt.CompressedGradient.v2"
+                                                        : "gwt.CompressedGradient.v1")));
   archive.write("shape", c10::IValue(c.shape));
   archive.write("wavelet", c10::IValue(c.wavelet));
   archive.write("boundary", c10::IValue(c.boundary));
@@ -223,10 +229,13 @@ torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& arc
   archive.write("approx", c.approx);
   for (size_t k = 0; k < c.detail_shapes.size(); ++k) {
     archive.write("detail_shape_" + std::to_string(k), c10::IValue(c.detail_shapes[k]));
-    if (c.detail_indices[k].defined())
+    if (c.detail_indices[k].defined()) {
       archive.write("detail_indices_" + std::to_string(k), c.detail_indices[k]);
-    else
-      archive.write("detail_mask_" + std::to_string(k), c.detail_masks.at(k));
+    } else {
+      TORCH_CHECK(k < c.detail_masks.size() && c.detail_masks[k].defined(), "gwt: detail level ", k,
+                  " of a CompressedGradient has neither indices nor mask");
+      archive.write("detail_mask_" + std::to_string(k), c.detail_masks[k]);
+    }
     archive.write("detail_values_" + std::to_string(k), c.detail_values[k]);
   }
   return archive;
@@ -244,8 +253,9 @@ torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archi
     TORCH_CHECK(archive.try_read(key, t), "gwt: not a CompressedGradient (no '", key, "')");
     return t;
   };
-  TORCH_CHECK(value("format").toStringRef() == "gwt.CompressedGradient.v1",
-              "gwt: not a CompressedGradient");
+  const std::string format = value("format").toStringRef();
+  TORCH_CHECK(format == "gwt.CompressedGradient.v1" || format == "gwt.CompressedGradient.v2",
+              "gwt: not a CompressedGradient this gwt reads (format '", format, "')");
   CompressedGradient out;
   out.shape = value("shape").toIntVector();
   out.wavelet = value("wavelet").toStringRef(), out.boundary = value("boundary").toStringRef();

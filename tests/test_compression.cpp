@@ -362,6 +362,13 @@ TEST(CompressedGradient, BitmaskAndIndexPositionsAgreeAndAutoPicksTheSmaller) {
   EXPECT_THROW(
       gwt::compress_gradient(g, "haar", 2, 0.0, "hard", -1, gwt::BoundaryMode::zero, "bits"),
       c10::Error);
+  // A level with neither indices nor mask is refused, not written.
+  auto broken =
+      gwt::compress_gradient(g, "haar", 2, 3.5, "hard", -1, gwt::BoundaryMode::zero, "indices");
+  broken.detail_indices[0] = at::Tensor();
+  torch::serialize::OutputArchive archive;
+  EXPECT_THROW(archive << broken, c10::Error);
+  EXPECT_THROW(gwt::decompress_gradient(broken), c10::Error);
 }
 
 }  // namespace

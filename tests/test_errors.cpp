@@ -132,8 +132,8 @@ TEST(Errors, ChangedLevelAfterTrainingIsCaughtAtStep) {
 }
 
 TEST(Errors, MomentsThatAreNotWhereTheKernelsCanReadThemAreCaughtAtStep) {
-  // The fused kernels take raw pointers: moments replaced by a non-contiguous view (or, on a
-  // machine with a GPU, left on the CPU after the model moved) must not reach them.
+  // The fused kernels take raw pointers: moments replaced by a non-contiguous view, of another
+  // type (or, on a machine with a GPU, left on the CPU after the model moved) must not reach them.
   Fixture f;
   auto& s = static_cast<WaveletAdamParamState&>(*f.opt.state().at(f.w.unsafeGetTensorImpl()));
   const at::Tensor m = s.exp_avg();
@@ -141,6 +141,13 @@ TEST(Errors, MomentsThatAreNotWhereTheKernelsCanReadThemAreCaughtAtStep) {
   f.snapshot = f.current();
   f.w.mutable_grad() = at::randn({8, 32}, at::kDouble);
   expect_error([&] { f.opt.step(); }, {"moments of a parameter", "not contiguous"});
+  f.expect_unchanged();
+
+  // A model converted in place after training started (Module::to(dtype) keeps each parameter's
+  // identity): float moments for a double parameter would be read as doubles.
+  s.exp_avg(m.to(at::kFloat));
+  f.snapshot = f.current();
+  expect_error([&] { f.opt.step(); }, {"moments of a Double parameter are Float", "BFloat16"});
   f.expect_unchanged();
 }
 

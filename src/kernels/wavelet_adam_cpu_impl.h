@@ -80,11 +80,12 @@ class GeneralAdam {
     const int64_t offset = a_.boundary == BoundaryMode::periodization ? 1 - taps_ / 2 : 2 - taps_;
     // Interior outputs: 0 <= 2o + offset and 2o + offset + taps <= n.
     const int64_t first = std::min(len, std::max<int64_t>(0, (1 - offset) / 2));
-    const int64_t last = std::max(first, std::min(len, (n - taps_ - offset) / 2 + 1));
+    const int64_t span = n - taps_ - offset;  // < 0: no output has all its taps inside
+    const int64_t last = span < 0 ? first : std::max(first, std::min(len, span / 2 + 1));
     auto edge = [&](int64_t o) { row::analyze(x, n, o, plan_, approx[o], detail[o]); };
     for (int64_t o = 0; o < first; ++o) edge(o);
     with_taps([&](auto taps) {
-      dwt_interior<decltype(taps)::value>(x + offset, first, last, approx, detail);
+      dwt_interior<decltype(taps)::value>(x, offset, first, last, approx, detail);
     });
     for (int64_t o = last; o < len; ++o) edge(o);
   }
@@ -120,12 +121,14 @@ class GeneralAdam {
   // Interior analysis outputs [first, last): each output's taps summed in registers (F > 0: the
   // tap loop unrolls and the compiler vectorises over outputs), tap order as in row::analyze.
   template <int F>
-  void dwt_interior(const Acc* src, int64_t first, int64_t last, Acc* approx, Acc* detail) const {
+  // x[2o + offset + k] for o >= first is never before x[0].
+  void dwt_interior(const Acc* x, int64_t offset, int64_t first, int64_t last, Acc* approx,
+                    Acc* detail) const {
     if constexpr (F > 0) {
       Acc lo_taps[F], hi_taps[F];
       for (int k = 0; k < F; ++k) lo_taps[k] = rec_lo_[k], hi_taps[k] = rec_hi_[k];
       for (int64_t o = first; o < last; ++o) {
-        const Acc* window = src + 2 * o;
+        const Acc* window = x + (2 * o + offset);
         Acc lo = 0, hi = 0;
         for (int k = 0; k < F; ++k) {
           lo += lo_taps[k] * window[k];
@@ -139,8 +142,8 @@ class GeneralAdam {
       for (int64_t k = 0; k < taps_; ++k) {
         const Acc lo = rec_lo_[k], hi = rec_hi_[k];
         for (int64_t o = first; o < last; ++o) {
-          approx[o] += lo * src[2 * o + k];
-          detail[o] += hi * src[2 * o + k];
+          approx[o] += lo * x[2 * o + offset + k];
+          detail[o] += hi * x[2 * o + offset + k];
         }
       }
     }

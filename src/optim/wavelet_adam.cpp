@@ -583,13 +583,20 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       if (it != state_.end()) {
         const auto& state = static_cast<const WaveletAdamParamState&>(*it->second);
         check_state(state, param, plan);
-        // The kernels take raw pointers: the moments must live where the parameter does.
-        for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()})
+        // The kernels take raw pointers: the moments must live where the parameter does, in a
+        // type they read (the parameter's math type, or bfloat16).
+        for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()}) {
           TORCH_CHECK(t->device() == param.device() && t->is_contiguous(),
                       "gwt::WaveletAdam: the moments of a parameter on ", param.device(),
                       " are on ", t->device(), t->is_contiguous() ? "" : " (not contiguous)",
                       "; move the model before the first step, or save the optimizer and load "
                       "it again after moving the model");
+          TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == compute_dtype(param),
+                      "gwt::WaveletAdam: the moments of a ", param.scalar_type(), " parameter are ",
+                      t->scalar_type(), " (valid: ", compute_dtype(param),
+                      " or BFloat16); convert the model before the first step, or save the "
+                      "optimizer and load it again after converting the model");
+        }
       }
       Work w;
       w.param = param;
