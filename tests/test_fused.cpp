@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../src/kernels/haar_block.h"
 #include "../src/kernels/wavelet_row.h"
 #include "gwt/gwt.h"
 #include "gwt/kernels.h"
@@ -330,35 +331,60 @@ namespace {
 
 // The CUDA kernels against the CPU reference. They run only where a GPU is present; elsewhere the
 // CUDA sources are still compiled and linked (GWT_CUDA=AUTO), and these tests say why they skip.
-// The CUDA general kernel's row bodies (src/kernels/wavelet_row.h) run on the host with one lane:
-// the arithmetic and control flow the GPU runs, checked here against the ATen reference.
-struct EmulatedGeneralKernel {
+// The CUDA kernels' bodies run on the host: the general kernel's row bodies
+// (src/kernels/wavelet_row.h) with one lane, the Haar kernel's block bodies
+// (src/kernels/haar_block.h) block after block. This is the arithmetic and control flow the GPU
+// runs, checked here against the ATen reference.
+struct EmulatedKernel {
   at::Tensor m, v, norm;  // the optimizer state of one parameter
   int64_t kept = 0;
 
-  // One step of parameter p (rows x n, contiguous) with gradient g, as WaveletAdam does it:
-  // norm pass, limiter, update pass.
+  template <typename S>
+  void init_state(int64_t rows, int64_t approx_len) {
+    if (m.defined()) return;
+    const auto state = std::is_same_v<S, double>  ? at::kDouble
+                       : std::is_same_v<S, float> ? at::kFloat
+                                                  : at::kBFloat16;
+    m = at::zeros({rows, approx_len}, state), v = at::zeros({rows, approx_len}, state);
+  }
+
+  // The kernel arguments of step t that do not depend on the wavelet.
+  static void fill_args(gwt::kernels::HaarAdamArgs& a, int64_t rows, int64_t n, int64_t approx_len,
+                        const WaveletAdamOptions& o, int64_t t) {
+    a.n = n, a.rows = rows, a.approx_len = approx_len, a.level = o.level();
+    std::tie(a.beta1, a.beta2) = o.betas();
+    a.eps = o.eps();
+    a.step_size =
+        o.lr() * std::sqrt(1 - std::pow(a.beta2, t)) / (1 - std::pow(a.beta1, t)) * o.scale();
+    a.decay = o.lr() * o.weight_decay();
+  }
+
+  // SPEC 1.1's limiter from this step's norm pass.
+  template <typename Acc>
+  double limiter(Acc norm_sq, const WaveletAdamOptions& o) {
+    const auto acc = std::is_same_v<Acc, double> ? at::kDouble : at::kFloat;
+    const double now = std::sqrt(static_cast<double>(norm_sq)), gamma = o.norm_growth_limit();
+    if (!norm.defined()) {
+      norm = at::scalar_tensor(now, acc);
+      return 1;
+    }
+    const double lim = std::max(now / (norm.item<double>() + 1e-8), gamma) / gamma;
+    norm = at::scalar_tensor(now / lim, acc);
+    return lim;
+  }
+
+  // One step of parameter p (rows x n, contiguous) with gradient g through the general kernel's
+  // row bodies, as WaveletAdam does it: norm pass, limiter, update pass.
   template <typename P, typename S, typename Acc>
-  void step(at::Tensor& p, const at::Tensor& g, const WaveletAdamOptions& o, int64_t t) {
+  void general_step(at::Tensor& p, const at::Tensor& g, const WaveletAdamOptions& o, int64_t t) {
     namespace k = gwt::kernels;
     const gwt::Wavelet wavelet(o.wavelet());
     const auto mode = gwt::boundary_mode_from_string(o.boundary());
     const int64_t n = p.size(-1), rows = p.numel() / n;
     const int64_t approx_len = gwt::approx_len(n, wavelet, o.level(), mode);
-    const auto acc = std::is_same_v<Acc, double> ? at::kDouble : at::kFloat;
-    if (!m.defined()) {
-      const auto state = std::is_same_v<S, double>  ? at::kDouble
-                         : std::is_same_v<S, float> ? at::kFloat
-                                                    : at::kBFloat16;
-      m = at::zeros({rows, approx_len}, state), v = at::zeros({rows, approx_len}, state);
-    }
+    init_state<S>(rows, approx_len);
     k::WaveletAdamArgs a;
-    a.n = n, a.rows = rows, a.approx_len = approx_len, a.level = o.level();
-    std::tie(a.beta1, a.beta2) = o.betas();
-    a.eps = o.eps();
-    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
-    a.step_size = o.lr() * std::sqrt(1 - std::pow(b2, t)) / (1 - std::pow(b1, t)) * o.scale();
-    a.decay = o.lr() * o.weight_decay();
+    fill_args(a, rows, n, approx_len, o, t);
     a.dec_lo = wavelet.dec_lo().data(), a.dec_hi = wavelet.dec_hi().data();
     a.filter_length = wavelet.length(), a.boundary = mode;
     a.coeff_len = k::wavelet_workspace_len(n, wavelet.length(), o.level(), mode);
@@ -378,14 +404,7 @@ struct EmulatedGeneralKernel {
       norm_sq +=
           k::row::row_norm_sq<P, S, Acc>(lanes, f, gp + r * n, mp + r * approx_len,
                                          vp + r * approx_len, w.data(), buf0.data(), buf1.data());
-    const double now = std::sqrt(static_cast<double>(norm_sq)), gamma = o.norm_growth_limit();
-    double lim = 1;
-    if (!norm.defined()) {
-      norm = at::scalar_tensor(now, acc);
-    } else {
-      lim = std::max(now / (norm.item<double>() + 1e-8), gamma) / gamma;
-      norm = at::scalar_tensor(now / lim, acc);
-    }
+    const double lim = limiter(norm_sq, o);
     kept = 0;
     for (int64_t r = 0; r < rows; ++r) {  // the update pass computes the coefficients again
       k::row::row_dwt<P, Acc>(lanes, f, gp + r * n, w.data(), buf0.data(), buf1.data());
@@ -394,7 +413,64 @@ struct EmulatedGeneralKernel {
                                             buf0.data(), buf1.data(), den.data());
     }
   }
+
+  // The same step through the Haar kernel's block bodies (blocks of B = 2^level elements).
+  template <typename P, typename S, typename Acc, int B>
+  void haar_step(at::Tensor& p, const at::Tensor& g, const WaveletAdamOptions& o, int64_t t) {
+    namespace hb = gwt::kernels::haar_block;
+    const int64_t n = p.size(-1), rows = p.numel() / n, approx_len = (n + B - 1) / B;
+    ASSERT_EQ(int64_t{1} << o.level(), B);
+    init_state<S>(rows, approx_len);
+    gwt::kernels::HaarAdamArgs a;
+    fill_args(a, rows, n, approx_len, o, t);
+    const hb::Scalars s = hb::scalars_of(a);
+    const P* gp = g.data_ptr<P>();
+    P* pp = p.data_ptr<P>();
+    S *mp = m.data_ptr<S>(), *vp = v.data_ptr<S>();
+    Acc norm_sq = 0;
+    for (int64_t k = 0; k < rows * approx_len; ++k)
+      norm_sq += hb::norm_term<P, S, Acc, B>(gp, mp, vp, s, k, false);
+    const Acc lim = static_cast<Acc>(limiter(norm_sq, o));
+    for (int64_t k = 0; k < rows * approx_len; ++k)
+      hb::update<P, S, Acc, B>(pp, gp, mp, vp, s, lim, k, false);
+  }
 };
+
+TEST(KernelRows, CudaHaarBlockBodiesMatchTheReferenceOnTheHost) {
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{5, 37}, {3, 4, 33}, {2, 64}})
+    for (int64_t level : {1, 2, 3}) {
+      SCOPED_TRACE("shape " + c10::str(at::IntArrayRef(shape)) + " level " + std::to_string(level));
+      const auto o = base_options().level(level);
+      const at::Tensor init = at::randn(shape, at::kDouble);
+      OptRun reference = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
+      OptRun reference32 = make_run(init, at::kFloat, WaveletAdamOptions(o).fused(false));
+      at::Tensor p = init.clone(), p32 = init.to(at::kFloat);
+      EmulatedKernel emulated, emulated32;
+      int64_t t = 0;
+      for (const auto& g : gradients(shape, 5, 36)) {
+        const at::Tensor g32 = g.to(at::kFloat);
+        step(reference, g), step(reference32, g32.to(at::kDouble));
+        ++t;
+        switch (level) {
+          case 1:
+            emulated.haar_step<double, double, double, 2>(p, g, o, t);
+            emulated32.haar_step<float, float, float, 2>(p32, g32, o, t);
+            break;
+          case 2:
+            emulated.haar_step<double, double, double, 4>(p, g, o, t);
+            emulated32.haar_step<float, float, float, 4>(p32, g32, o, t);
+            break;
+          default:
+            emulated.haar_step<double, double, double, 8>(p, g, o, t);
+            emulated32.haar_step<float, float, float, 8>(p32, g32, o, t);
+        }
+        // float64 exactly as the reference (the GPU body once read float64 through float);
+        // float32 by the fp32 rule.
+        EXPECT_LE(rel_error(p, reference.param), 1e-10) << "step " << t;
+        expect_close_to_reference(p32, reference32.param, reference.param);
+      }
+    }
+}
 
 TEST(KernelRows, CudaRowBodiesMatchTheReferenceOnTheHostInFloat64) {
   for (const std::string wavelet : {"db2", "sym3", "coif1", "haar"})
@@ -413,11 +489,11 @@ TEST(KernelRows, CudaRowBodiesMatchTheReferenceOnTheHostInFloat64) {
           const at::Tensor init = at::randn(shape, at::kDouble);
           OptRun reference = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
           at::Tensor p = init.clone();
-          EmulatedGeneralKernel emulated;
+          EmulatedKernel emulated;
           int64_t t = 0;
           for (const auto& g : gradients(shape, 5, 31)) {
             step(reference, g);
-            emulated.step<double, double, double>(p, g, o, ++t);
+            emulated.general_step<double, double, double>(p, g, o, ++t);
             EXPECT_LE(rel_error(p, reference.param), 1e-10) << "step " << t;
             if (threshold > 0) {
               EXPECT_EQ(emulated.kept, reference.opt->kept_details().first);
@@ -434,12 +510,12 @@ TEST(KernelRows, CudaRowBodiesInHalfPrecisionWithBFloat16State) {
   OptRun fused = make_run(init, at::kHalf, o);
   ASSERT_TRUE(fused.opt->is_fused_param(fused.param));
   at::Tensor p = init.clone();
-  EmulatedGeneralKernel emulated;
+  EmulatedKernel emulated;
   int64_t t = 0;
   for (const auto& g : gradients(shape, 5, 32)) {
     const at::Tensor g16 = g.to(at::kHalf);
     step(fused, g16);
-    emulated.step<c10::Half, c10::BFloat16, float>(p, g16, o, ++t);
+    emulated.general_step<c10::Half, c10::BFloat16, float>(p, g16, o, ++t);
     // Both round the same float math to half; a few values may land one half ulp apart.
     EXPECT_LE(max_abs_diff(p, fused.param), ulp_of(at::kHalf, fused.param));
   }
