@@ -543,7 +543,9 @@ TEST(FusedCuda, MatchesTheCpuReference) {
             gpu.mutable_grad() = g_cast.cuda();
             gpu_opt.step();
             step(reference, g_cast.to(at::kDouble)), step(exact, g_cast.to(at::kDouble));
-            if (dtype == at::kFloat || dtype == at::kDouble) {
+            if (dtype == at::kDouble) {  // float64 math on the device too
+              EXPECT_LE(rel_error(gpu.cpu(), reference.param), 1e-10);
+            } else if (dtype == at::kFloat) {
               expect_close_to_reference(gpu.cpu(), reference.param, exact.param);
             } else {
               EXPECT_LE(

@@ -67,8 +67,8 @@ GWT_ROW_FN void store_block(P* dst, int64_t begin, int64_t n, const Acc* in, boo
 
 /// New moments of coefficient k as stored (rounded to S), in the math type.
 template <typename S, typename Acc>
-GWT_ROW_FN void new_moments(const S* m, const S* v, int64_t k, Acc x, const Scalars& s,
-                            Acc& m_new, Acc& v_new) {
+GWT_ROW_FN void new_moments(const S* m, const S* v, int64_t k, Acc x, const Scalars& s, Acc& m_new,
+                            Acc& v_new) {
   const Acc b1 = static_cast<Acc>(s.beta1), b2 = static_cast<Acc>(s.beta2);
   const Acc c1 = static_cast<Acc>(1 - s.beta1), c2 = static_cast<Acc>(1 - s.beta2);
   m_new = row::to_acc<Acc>(static_cast<S>(b1 * row::to_acc<Acc>(m[k]) + c1 * x));
