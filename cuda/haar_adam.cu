@@ -31,7 +31,7 @@ template <typename P, typename S, typename Acc, int B>
 __global__ void norm_pass(const P* __restrict__ grad, const S* __restrict__ m,
                           const S* __restrict__ v, Scalars s, Acc* norm_sq_out, bool vector_ok) {
   Acc sum = 0;
-  const int64_t total = s.rows * s.approx_len;
+  const int64_t total = haar_block::coefficients(s);
   for (int64_t k = blockIdx.x * int64_t{k_threads} + threadIdx.x; k < total;
        k += int64_t{gridDim.x} * k_threads)
     sum += haar_block::norm_term<P, S, Acc, B>(grad, m, v, s, k, vector_ok);
@@ -43,7 +43,7 @@ template <typename P, typename S, typename Acc, int B>
 __global__ void update_pass(P* __restrict__ param, const P* __restrict__ grad, S* __restrict__ m,
                             S* __restrict__ v, Scalars s, const Acc* lim_ptr, bool vector_ok) {
   const Acc lim = *lim_ptr;
-  const int64_t total = s.rows * s.approx_len;
+  const int64_t total = haar_block::coefficients(s);
   for (int64_t k = blockIdx.x * int64_t{k_threads} + threadIdx.x; k < total;
        k += int64_t{gridDim.x} * k_threads)
     haar_block::update<P, S, Acc, B>(param, grad, m, v, s, lim, k, vector_ok);
@@ -61,7 +61,7 @@ void launch(const HaarAdamArgs& a, void* norm_sq_out, const void* lim) {
   const bool vector_ok = B == 4 && sizeof(P) == 4 && a.n % 4 == 0 &&
                          reinterpret_cast<uintptr_t>(a.grad) % 16 == 0 &&
                          reinterpret_cast<uintptr_t>(a.param) % 16 == 0;
-  const int grid = grid_for(a.rows * a.approx_len);
+  const int grid = grid_for(haar_block::coefficients(s));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (norm_sq_out != nullptr) {
     norm_pass<P, S, Acc, B><<<grid, k_threads, 0, stream>>>(

@@ -46,7 +46,7 @@ struct HaarAdamArgs {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-6;
   double step_size = 0;  ///< lr * bias correction * scale
   double decay = 0;      ///< lr * weight_decay (applied after the update)
-  /// transform "2d" (CPU Haar only): blocks of 2^level x 2^level in each matrix of `height` rows,
+  /// transform "2d" (Haar kernels): blocks of 2^level x 2^level in each matrix of `height` rows,
   /// approximation sum * 2^(-level), state [rows / height, ceil(height / 2^level), approx_len].
   bool two_d = false;
   int64_t height = 1;

@@ -1,6 +1,7 @@
 #pragma once
 
-// The fused Haar step of one block (2^level elements of a row, one approximation coefficient),
+// The fused Haar step of one block (2^level elements of a row, or 2^level x 2^level for the 2-D
+// transform; one approximation coefficient),
 // written once for the CUDA body (cuda/haar_adam.cu: one thread per block) and for the host, where
 // the tests run it block after block against the reference (tests/test_fused.cpp, KernelRows).
 // See include/gwt/kernels.h for the rule.
@@ -20,14 +21,34 @@ namespace {  // internal linkage: see wavelet_row.h
 struct Scalars {
   double beta1, beta2, eps, step_size, decay, approx_scale;
   int64_t rows, n, approx_len;
+  // 2-D transform: blocks of B x B in matrices of `height` rows (1-D: height 1, block_rows 1).
+  int64_t height, block_rows, state_rows;
 };
 
 inline Scalars scalars_of(const HaarAdamArgs& a) {
   Scalars s;
   s.beta1 = a.beta1, s.beta2 = a.beta2, s.eps = a.eps, s.step_size = a.step_size, s.decay = a.decay;
-  s.approx_scale = std::pow(2.0, -0.5 * static_cast<double>(a.level));
+  s.approx_scale = std::pow(2.0, (a.two_d ? -1.0 : -0.5) * static_cast<double>(a.level));
   s.rows = a.rows, s.n = a.n, s.approx_len = a.approx_len;
+  const int64_t block = int64_t{1} << a.level;
+  s.height = a.two_d ? a.height : 1;
+  s.block_rows = a.two_d ? (a.height + block - 1) / block : 1;
+  s.state_rows = a.rows / s.height * s.block_rows;
   return s;
+}
+
+/// Coefficients in all: rows of the moments times their length.
+GWT_ROW_FN int64_t coefficients(const Scalars& s) {
+  return s.state_rows * s.approx_len;
+}
+
+/// The rows of p and g that coefficient k's block spans: [first, first + count).
+template <int B>
+GWT_ROW_FN void block_rows_of(const Scalars& s, int64_t k, int64_t& first, int64_t& count) {
+  const int64_t state_row = k / s.approx_len;
+  const int64_t top = (state_row % s.block_rows) * B;
+  first = state_row / s.block_rows * s.height + (s.height == 1 ? 0 : top);
+  count = s.height == 1 ? 1 : (s.height - top < B ? s.height - top : B);
 }
 
 /// The B values of a block starting at `begin`, zeros past n (PyWavelets' zero mode). On the GPU,
@@ -75,23 +96,27 @@ GWT_ROW_FN void new_moments(const S* m, const S* v, int64_t k, Acc x, const Scal
   v_new = row::to_acc<Acc>(static_cast<S>(b2 * row::to_acc<Acc>(v[k]) + c2 * x * x));
 }
 
-/// The block's approximation coefficient: its sum times 2^(-L/2).
-template <typename Acc, int B>
-GWT_ROW_FN Acc block_approx(const Acc* g, const Scalars& s) {
+/// Coefficient k's approximation: the sum over its block's rows, times the scale.
+template <typename P, typename Acc, int B>
+GWT_ROW_FN Acc approx_of(const P* grad, const Scalars& s, int64_t k, bool vector_ok) {
+  int64_t first, count;
+  block_rows_of<B>(s, k, first, count);
+  const int64_t b = k % s.approx_len;
   Acc sum = 0;
-  for (int q = 0; q < B; ++q) sum += g[q];
+  for (int64_t r = 0; r < count; ++r) {
+    Acc g[B];
+    load_block<Acc, P, B>(grad + (first + r) * s.n, b * B, s.n, g, vector_ok);
+    for (int q = 0; q < B; ++q) sum += g[q];
+  }
   return sum * static_cast<Acc>(s.approx_scale);
 }
 
-/// Norm pass, coefficient k (row k / approx_len): (m' / (sqrt(v') + eps))^2. Reads only.
+/// Norm pass, coefficient k: (m' / (sqrt(v') + eps))^2. Reads only.
 template <typename P, typename S, typename Acc, int B>
 GWT_ROW_FN Acc norm_term(const P* grad, const S* m, const S* v, const Scalars& s, int64_t k,
                          bool vector_ok) {
   using std::sqrt;
-  const int64_t row = k / s.approx_len, b = k % s.approx_len;
-  Acc g[B];
-  load_block<Acc, P, B>(grad + row * s.n, b * B, s.n, g, vector_ok);
-  const Acc a = block_approx<Acc, B>(g, s);
+  const Acc a = approx_of<P, Acc, B>(grad, s, k, vector_ok);
   Acc m_new, v_new;
   new_moments(m, v, k, a, s, m_new, v_new);
   const Acc normalized = m_new / (sqrt(v_new) + static_cast<Acc>(s.eps));
@@ -104,11 +129,7 @@ template <typename P, typename S, typename Acc, int B>
 GWT_ROW_FN void update(P* param, const P* grad, S* m, S* v, const Scalars& s, Acc lim, int64_t k,
                        bool vector_ok) {
   using std::sqrt;
-  const int64_t row = k / s.approx_len, b = k % s.approx_len;
-  Acc g[B], p[B];
-  load_block<Acc, P, B>(grad + row * s.n, b * B, s.n, g, vector_ok);
-  load_block<Acc, P, B>(param + row * s.n, b * B, s.n, p, vector_ok);
-  const Acc a = block_approx<Acc, B>(g, s);
+  const Acc a = approx_of<P, Acc, B>(grad, s, k, vector_ok);
   Acc m_new, v_new;
   new_moments(m, v, k, a, s, m_new, v_new);
   m[k] = static_cast<S>(m_new);
@@ -117,11 +138,19 @@ GWT_ROW_FN void update(P* param, const P* grad, S* m, S* v, const Scalars& s, Ac
       static_cast<Acc>(s.step_size) / ((sqrt(v_new) + static_cast<Acc>(s.eps)) * lim);
   const Acc shift = (m_new - a) * static_cast<Acc>(s.approx_scale);
   const Acc keep = static_cast<Acc>(-s.decay);
-  for (int q = 0; q < B; ++q) {
-    const Acc x = p[q] - factor * (g[q] + shift);
-    p[q] = x + keep * x;
+  int64_t first, count;
+  block_rows_of<B>(s, k, first, count);
+  const int64_t b = k % s.approx_len;
+  for (int64_t r = 0; r < count; ++r) {
+    Acc g[B], p[B];
+    load_block<Acc, P, B>(grad + (first + r) * s.n, b * B, s.n, g, vector_ok);
+    load_block<Acc, P, B>(param + (first + r) * s.n, b * B, s.n, p, vector_ok);
+    for (int q = 0; q < B; ++q) {
+      const Acc x = p[q] - factor * (g[q] + shift);
+      p[q] = x + keep * x;
+    }
+    store_block<Acc, P, B>(param + (first + r) * s.n, b * B, s.n, p, vector_ok);
   }
-  store_block<Acc, P, B>(param + row * s.n, b * B, s.n, p, vector_ok);
 }
 
 }  // namespace

@@ -363,8 +363,13 @@ Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& 
       haar && o.threshold() == 0 &&
       (o.boundary() == "zero" ||
        (param.size(-1) % block == 0 && (!plan.two_d || param.size(-2) % block == 0)));
-  // 2-D: Haar on the CPU kernel, everything else on the reference.
-  if (plan.two_d) return haar_local && param.device().is_cpu() ? Path::haar : Path::reference;
+  // 2-D: Haar on the Haar kernels (CUDA: levels 1 to 3), everything else on the reference.
+  if (plan.two_d) {
+    if (!haar_local) return Path::reference;
+    if (param.is_cuda())
+      return kernels::built_with_cuda() && o.level() <= 3 ? Path::haar : Path::reference;
+    return param.device().is_cpu() ? Path::haar : Path::reference;
+  }
   if (param.is_cuda()) {
     if (!kernels::built_with_cuda()) return Path::reference;
     if (haar_local && o.level() <= 3) return Path::haar;
