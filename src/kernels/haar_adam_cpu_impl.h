@@ -148,7 +148,7 @@ class HaarAdam {
     if constexpr (k_simd) {
       if (from > 0) {
         const float* g = static_cast<const float*>(a_.grad) + tl.element_row * a_.n + tl.first * B;
-        sum = tl.height == 1 ? simd::norm_sq<B>(simd_constants(), g, a_.n, 1, m, v, from)
+        sum = tl.height == 1 ? simd::norm_sq<B>(simd_constants(), g, m, v, from)
                              : simd::norm_sq_by_rows<B>(simd_constants(), g, a_.n, tl.height, m, v,
                                                         from, approx);
       }
@@ -177,7 +177,7 @@ class HaarAdam {
 #ifdef GWT_HAAR_SIMD
     if constexpr (k_simd) {
       if (from > 0 && tl.height == 1) {
-        simd::update<B>(simd_constants(), g, p, a_.n, 1, m, v, from, step, lim, keep);
+        simd::update<B>(simd_constants(), g, p, m, v, from, step, lim, keep);
       } else if (from > 0) {
         Acc factor[k_tile];
         simd::update_by_rows<B>(simd_constants(), g, p, a_.n, tl.height, m, v, from, step, lim,

@@ -85,22 +85,27 @@ inline float lane_sum(__m256 x) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-/// Approximations of 8 blocks spanning `height` rows `stride` apart (1 row for the 1-D transform,
-/// 2^level rows for the 2-D one): the blocks' sums times the scale.
+/// p <- x + keep * x,  x = p - f * (g + s), over the 8 blocks (8 * B elements of one row) whose
+/// factors and shifts are the lanes of factor and shift.
 template <int B>
-inline __m256 approx8(const StepConstants& c, const float* g, int64_t stride, int64_t height) {
-  __m256 sum = block_sums8<B>(g);
-  for (int64_t r = 1; r < height; ++r) sum = _mm256_add_ps(sum, block_sums8<B>(g + r * stride));
-  return _mm256_mul_ps(sum, c.scale);
+inline void update_elements8(const float* g, float* p, __m256 factor, __m256 shift, __m256 keep) {
+  for (int k = 0; k < B; ++k) {
+    const __m256i idx = spread<B>(k);
+    const __m256 gs =
+        _mm256_add_ps(_mm256_loadu_ps(g + 8 * k), _mm256_permutevar8x32_ps(shift, idx));
+    const __m256 x =
+        _mm256_fnmadd_ps(_mm256_permutevar8x32_ps(factor, idx), gs, _mm256_loadu_ps(p + 8 * k));
+    _mm256_storeu_ps(p + 8 * k, _mm256_fmadd_ps(keep, x, x));
+  }
 }
 
-/// Norm pass over `count` (a multiple of 8) coefficients: sum of (m' / denom)^2.
+/// Norm pass over `count` (a multiple of 8) coefficients of one row: sum of (m' / denom)^2.
 template <int B>
-inline float norm_sq(const StepConstants& c, const float* g, int64_t stride, int64_t height,
-                     const float* m, const float* v, int64_t count) {
+inline float norm_sq(const StepConstants& c, const float* g, const float* m, const float* v,
+                     int64_t count) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; j += 8) {
-    const __m256 a = approx8<B>(c, g + j * B, stride, height);
+    const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
     const Moments8 mv(c, m + j, v + j, a);
     const __m256 normalized = _mm256_div_ps(mv.m, mv.denom);
     acc = _mm256_fmadd_ps(normalized, normalized, acc);
@@ -108,33 +113,22 @@ inline float norm_sq(const StepConstants& c, const float* g, int64_t stride, int
   return lane_sum(acc);
 }
 
-/// Update pass over `count` (a multiple of 8) coefficients and their blocks (count * B elements
-/// in each of `height` rows):
-/// m, v <- m', v';  p <- x + keep * x  with  x = p - step / (denom lim) * (g + (m' - A) scale).
+/// Update pass over `count` (a multiple of 8) coefficients of one row and their count * B
+/// elements: m, v <- m', v';  p <- x + keep * x  with  x = p - step / (denom lim) * (g + (m' - A)
+/// scale).
 template <int B>
-inline void update(const StepConstants& c, const float* g, float* p, int64_t stride, int64_t height,
-                   float* m, float* v, int64_t count, float step, float lim, float keep) {
+inline void update(const StepConstants& c, const float* g, float* p, float* m, float* v,
+                   int64_t count, float step, float lim, float keep) {
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
   for (int64_t j = 0; j < count; j += 8) {
-    const __m256 a = approx8<B>(c, g + j * B, stride, height);
+    const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
     const Moments8 mv(c, m + j, v + j, a);
     _mm256_storeu_ps(m + j, mv.m);
     _mm256_storeu_ps(v + j, mv.v);
     const __m256 factor = _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v));
     const __m256 shift = _mm256_mul_ps(_mm256_sub_ps(mv.m, a), c.scale);
-    for (int64_t r = 0; r < height; ++r) {
-      const float* gj = g + r * stride + j * B;
-      float* pj = p + r * stride + j * B;
-      for (int k = 0; k < B; ++k) {
-        const __m256i idx = spread<B>(k);
-        const __m256 f = _mm256_permutevar8x32_ps(factor, idx);
-        const __m256 s = _mm256_permutevar8x32_ps(shift, idx);
-        const __m256 gs = _mm256_add_ps(_mm256_loadu_ps(gj + 8 * k), s);
-        const __m256 x = _mm256_fnmadd_ps(f, gs, _mm256_loadu_ps(pj + 8 * k));
-        _mm256_storeu_ps(pj + 8 * k, _mm256_fmadd_ps(keep_v, x, x));
-      }
-    }
+    update_elements8<B>(g + j * B, p + j * B, factor, shift, keep_v);
   }
 }
 
@@ -185,19 +179,9 @@ inline void update_by_rows(const StepConstants& c, const float* g, float* p, int
     _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_sub_ps(mv.m, aj), c.scale));  // the shift
   }
   for (int64_t r = 0; r < height; ++r)
-    for (int64_t j = 0; j < count; j += 8) {
-      const __m256 fj = _mm256_loadu_ps(factor + j), sj = _mm256_loadu_ps(a + j);
-      const float* gj = g + r * stride + j * B;
-      float* pj = p + r * stride + j * B;
-      for (int k = 0; k < B; ++k) {
-        const __m256i idx = spread<B>(k);
-        const __m256 gs =
-            _mm256_add_ps(_mm256_loadu_ps(gj + 8 * k), _mm256_permutevar8x32_ps(sj, idx));
-        const __m256 x =
-            _mm256_fnmadd_ps(_mm256_permutevar8x32_ps(fj, idx), gs, _mm256_loadu_ps(pj + 8 * k));
-        _mm256_storeu_ps(pj + 8 * k, _mm256_fmadd_ps(keep_v, x, x));
-      }
-    }
+    for (int64_t j = 0; j < count; j += 8)
+      update_elements8<B>(g + r * stride + j * B, p + r * stride + j * B,
+                          _mm256_loadu_ps(factor + j), _mm256_loadu_ps(a + j), keep_v);
 }
 
 }  // namespace simd
