@@ -291,6 +291,17 @@ TEST(DepthGroups, LowerLayersLighterUpperLayersStronger) {
   EXPECT_FALSE(opt.is_wavelet_param(model->head->weight));
 }
 
+// c written with torch::save and read back with torch::load.
+gwt::CompressedGradient saved_and_loaded(const gwt::CompressedGradient& c) {
+  const std::string path =
+      ::testing::TempDir() + "gwt_compressed_" + std::to_string(::getpid()) + ".pt";
+  torch::save(c, path);
+  gwt::CompressedGradient loaded;
+  torch::load(loaded, path);
+  std::remove(path.c_str());
+  return loaded;
+}
+
 TEST(CompressedGradient, RoundTripIsExactWithoutThresholdAndReportsItsError) {
   at::manual_seed(34);
   const at::Tensor g = at::randn({24, 40}, at::kDouble);
@@ -311,12 +322,7 @@ TEST(CompressedGradient, RoundTripIsExactWithoutThresholdAndReportsItsError) {
   for (const auto& d : c.details) kept += (d.abs() >= 1.0).sum().item<int64_t>();
   EXPECT_EQ(lossy.detail_values[0].numel() + lossy.detail_values[1].numel(), kept);
 
-  const std::string path =
-      ::testing::TempDir() + "gwt_compressed_" + std::to_string(::getpid()) + ".pt";
-  torch::save(lossy, path);
-  gwt::CompressedGradient loaded;
-  torch::load(loaded, path);
-  std::remove(path.c_str());
+  const gwt::CompressedGradient loaded = saved_and_loaded(lossy);
   EXPECT_TRUE(at::equal(gwt::decompress_gradient(loaded), back));
   EXPECT_EQ(loaded.bytes(), lossy.bytes());
   EXPECT_DOUBLE_EQ(loaded.relative_error, lossy.relative_error);
@@ -350,12 +356,7 @@ TEST(CompressedGradient, BitmaskAndIndexPositionsAgreeAndAutoPicksTheSmaller) {
     EXPECT_EQ(by_mask.bytes(), mask_bytes);
     EXPECT_EQ(chosen.bytes(), best);
 
-    const std::string path =
-        ::testing::TempDir() + "gwt_bitmask_" + std::to_string(::getpid()) + ".pt";
-    torch::save(by_mask, path);
-    gwt::CompressedGradient loaded;
-    torch::load(loaded, path);
-    std::remove(path.c_str());
+    const gwt::CompressedGradient loaded = saved_and_loaded(by_mask);
     EXPECT_TRUE(at::equal(gwt::decompress_gradient(loaded), back));
     EXPECT_EQ(loaded.bytes(), by_mask.bytes());
   }
