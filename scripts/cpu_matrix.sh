@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The fused-kernel/reference tests under emulated CPUs and thread counts (issue 12): MKL's
+# conditional numerical reproducibility modes (MKL_CBWR; MKL falls back where the CPU lacks an
+# instruction set), ATen's dispatch level (ATEN_CPU_CAPABILITY), gwt's own kernels without AVX2
+# (GWT_NO_AVX2=1), and 1 and 2 threads. Run by .ci/run after scripts/test.sh has built build/.
+#
+#   ./scripts/cpu_matrix.sh [build dir] [gtest filter]
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="${1:-$root/build}/tests/gwt_tests"
+filter="${2:-Fused.*:KernelRows.*:KernelLanes.*:WaveletAdam*.*:Transform*.*:Compression.*}"
+[[ -x "$bin" ]] || { echo "cpu_matrix: $bin not built (run ./scripts/test.sh first)" >&2; exit 2; }
+settings=(
+  "MKL_CBWR=COMPATIBLE" "MKL_CBWR=AVX2" "MKL_CBWR=AVX512"
+  "ATEN_CPU_CAPABILITY=default" "ATEN_CPU_CAPABILITY=avx2" "GWT_NO_AVX2=1"
+  "OMP_NUM_THREADS=1" "OMP_NUM_THREADS=2"
+)
+passed=0 failed=0 failures=()
+for setting in "${settings[@]}"; do
+  start=$SECONDS
+  if out=$(env "$setting" "$bin" --gtest_filter="$filter" --gtest_brief=1 2>&1); then
+    passed=$((passed + 1)); verdict=ok
+  else
+    failed=$((failed + 1)); verdict=FAILED; failures+=("$setting")
+    printf '%s\n' "$out" | grep -vE '^\[       OK|^\[ RUN' | tail -40
+  fi
+  tests=$(printf '%s\n' "$out" | sed -n 's/^\[==========\] \([0-9]*\) tests.*ran.*/\1/p' | tail -1)
+  printf 'cpu_matrix: %-28s %-6s %s tests, %ds\n' "$setting" "$verdict" "${tests:-?}" $((SECONDS - start))
+done
+[[ $failed -eq 0 ]] || echo "cpu_matrix: failed under ${failures[*]}"
+echo "cpu_matrix: $passed passed, $failed failed"
+[[ $failed -eq 0 ]]
