@@ -6,8 +6,10 @@
 // every level, two scratch rows and the denominators; the update pass computes the coefficients
 // again from the gradient, so no gradient-sized buffer exists and each pass reads the gradient
 // once. The row bodies are src/kernels/wavelet_row.h, which the tests also run on the host (one
-// lane), so the arithmetic here is the arithmetic tested there. Nothing waits for the host: the
-// norm pass adds into a device scalar, the update pass reads the limiter value from one.
+// lane and with several threads), so the arithmetic here is the arithmetic tested there. Nothing
+// waits for the host: the norm pass writes one partial sum (double) per block and a second
+// one-block kernel adds them, in a fixed order (row::tree_sum), into a device scalar, so the norm
+// has the same bits on every run; the update pass reads the limiter value from a device scalar.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -27,29 +29,6 @@ namespace gwt {
 namespace kernels {
 namespace {
 
-/// The threads of one block working on one row.
-struct BlockLanes {
-  __host__ __device__ int64_t lane() const {
-#ifdef __CUDA_ARCH__
-    return threadIdx.x;
-#else
-    return 0;
-#endif
-  }
-  __host__ __device__ int64_t lanes() const {
-#ifdef __CUDA_ARCH__
-    return blockDim.x;
-#else
-    return 1;
-#endif
-  }
-  __host__ __device__ void sync() const {
-#ifdef __CUDA_ARCH__
-    __syncthreads();
-#endif
-  }
-};
-
 // Shared memory of a block, in the order of wavelet_row_scratch_bytes(): the row's coefficients,
 // two scratch rows, the denominators.
 template <typename Acc>
@@ -67,15 +46,18 @@ struct Scratch {
 template <typename P, typename S, typename Acc>
 __global__ void general_norm_pass(const P* __restrict__ grad, const S* __restrict__ m,
                                   const S* __restrict__ v,
-                                  const __grid_constant__ row::RowPlan<Acc> f, Acc* norm_sq_out) {
+                                  const __grid_constant__ row::RowPlan<Acc> f, double* partials) {
+  // partials[blockIdx.x]: this block's rows, each thread's share summed in double in row order,
+  // then block_reduce; a fixed order.
   const Scratch<Acc> scratch(f);
   const BlockLanes lanes{};
-  Acc sum = 0;
+  double sum = 0;
   for (int64_t r = blockIdx.x; r < f.rows; r += gridDim.x)
-    sum += row::row_norm_sq<P, S, Acc>(lanes, f, grad + r * f.n, m + r * f.approx_len,
-                                       v + r * f.approx_len, scratch.w, scratch.buf0, scratch.buf1);
+    sum += static_cast<double>(
+        row::row_norm_sq<P, S, Acc>(lanes, f, grad + r * f.n, m + r * f.approx_len,
+                                    v + r * f.approx_len, scratch.w, scratch.buf0, scratch.buf1));
   sum = block_reduce(sum);
-  if (threadIdx.x == 0) atomicAdd(norm_sq_out, sum);
+  if (threadIdx.x == 0) partials[blockIdx.x] = sum;
 }
 
 template <typename P, typename S, typename Acc>
@@ -116,9 +98,12 @@ void launch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
     // Always: the default cap (48 KiB less the kernel's static shared memory) is not ours to guess.
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(bytes)));
+    const NormPartials partials(grid);
     kernel<<<grid, k_threads, bytes, stream>>>(
         static_cast<const P*>(a.grad), static_cast<const S*>(a.exp_avg),
-        static_cast<const S*>(a.exp_avg_sq), f, static_cast<Acc*>(norm_sq_out));
+        static_cast<const S*>(a.exp_avg_sq), f, partials.data());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    partials.add_to(static_cast<Acc*>(norm_sq_out), stream);
   } else {
     auto kernel = general_update_pass<P, S, Acc>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -142,8 +127,8 @@ void dispatch(const WaveletAdamArgs& a, void* norm_sq_out, const void* lim) {
 }  // namespace
 
 int64_t wavelet_adam_cuda_max_scratch_bytes() {
-  // The opt-in limit covers static shared memory too (block_reduce's: at most 8 int64 values);
-  // 256 bytes leave room for it.
+  // The opt-in limit covers static shared memory too (block_reduce's: 8 double or 8 int64
+  // values); 256 bytes leave room for it.
   return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) - 256;
 }
 

@@ -115,5 +115,13 @@ void haar_adam_update_cuda(const HaarAdamArgs& args, const void* lim);
 /// Whether this build of gwt contains the CUDA body.
 bool built_with_cuda();
 
+/// Whether the CUDA kernels can run on CUDA device `device_index`: the build has them and holds
+/// machine code for the device's compute capability or PTX its driver can compile
+/// (GWT_CUDA_ARCHITECTURES). Asked once per device and remembered; where the answer is no, a
+/// one-time warning names the device's compute capability and the architectures built, and
+/// WaveletAdam gives that device's parameters the reference path. False without CUDA kernels,
+/// without a driver or without that device; never throws for those.
+bool cuda_kernels_run_on(int device_index);
+
 }  // namespace kernels
 }  // namespace gwt

@@ -51,6 +51,9 @@ void haar_adam_update_cpu(const HaarAdamArgs& args, double lim) {
 bool built_with_cuda() {
   return false;
 }
+bool cuda_kernels_run_on(int) {
+  return false;
+}
 void haar_adam_norm_sq_cuda(const HaarAdamArgs&, void*) {
   TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
 }

@@ -3,9 +3,11 @@
 // The general (any filter, any mode) WaveletAdam step of one row, written once for the CUDA body
 // and for the host: `Lanes` says which of the cooperating threads runs the code and how they
 // wait for each other. cuda/wavelet_adam.cu runs these bodies with one thread block per row
-// (`lanes()` = blockDim.x, `sync()` = __syncthreads()); the host runs them with one lane, which is
-// how the tests check the CUDA body's arithmetic and control flow on a machine without a GPU
-// (tests/test_fused.cpp, KernelRows). The CPU kernel uses the per-coefficient formulas too.
+// (`lanes()` = blockDim.x, `sync()` = __syncthreads()); the tests run them on the host with one
+// lane (tests/test_fused.cpp, KernelRows) and with several threads and a barrier
+// (tests/test_kernel_lanes.cpp, KernelLanes), which is how the CUDA body's arithmetic, control flow
+// and barriers are checked on a machine without a GPU. The CPU kernel uses the per-coefficient
+// formulas too.
 //
 // Formulas are PyWavelets' conventions, as in src/transform.cpp:
 //   analysis  A[o] = sum_k x~[2o + offset + k] rec_lo[k],  D[o] likewise with rec_hi,
@@ -175,6 +177,22 @@ struct HostLanes {
   int64_t lanes() const { return 1; }
   void sync() const {}
 };
+
+/// Sum of x[0, count) in a fixed pairwise order that does not depend on the number of lanes: at
+/// stride s = 1, 2, 4, ... every i that is a multiple of 2s gets x[i] += x[i + s] (where i + s <
+/// count), so x[0] ends as ((x0 + x1) + (x2 + x3)) + ... Overwrites x; every lane must call it and
+/// every lane gets the sum. The CUDA norm passes reduce their per-block partials with it (one
+/// block, cuda/block_reduce.cuh), so the norm, and with it the limiter, has the same bits on every
+/// run.
+template <typename Lanes>
+GWT_ROW_FN double tree_sum(const Lanes& lanes, double* x, int64_t count) {
+  for (int64_t stride = 1; stride < count; stride *= 2) {
+    for (int64_t i = 2 * stride * lanes.lane(); i + stride < count; i += 2 * stride * lanes.lanes())
+      x[i] += x[i + stride];
+    lanes.sync();
+  }
+  return count > 0 ? x[0] : 0.0;
+}
 
 /// The DWT cascade of one row's gradient g into w ([A_L | D_L | ... | D_1], coeff_len values;
 /// scratch rows buf0, buf1). Starts with a barrier, so that the lanes may still be reading the
