@@ -3,179 +3,29 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 
 #include <cmath>
 #include <memory>
 #include <unordered_set>
 #include <utility>
 
-#include "checkpoint.h"
 #include "common.h"
 #include "gwt/kernels.h"
 #include "gwt/transform.h"
 #include "gwt/wavelet.h"
+#include "wavelet_adam_detail.h"
 
 namespace gwt {
-
-// ----------------------------------------------------------------------------------------------
-// Options and state
-// ----------------------------------------------------------------------------------------------
-
-WaveletAdamOptions::WaveletAdamOptions(double lr) : lr_(lr) {}
-
-double WaveletAdamOptions::get_lr() const {
-  return lr();
-}
-void WaveletAdamOptions::set_lr(const double lr) {
-  this->lr(lr);
-}
-
-bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs) {
-  return lhs.lr() == rhs.lr() && lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
-         lhs.weight_decay() == rhs.weight_decay() && lhs.wavelet() == rhs.wavelet() &&
-         lhs.level() == rhs.level() && lhs.boundary() == rhs.boundary() &&
-         lhs.scale() == rhs.scale() && lhs.norm_growth_limit() == rhs.norm_growth_limit() &&
-         lhs.correct_bias() == rhs.correct_bias() && lhs.dim() == rhs.dim() &&
-         lhs.fused() == rhs.fused() && lhs.state_dtype() == rhs.state_dtype() &&
-         lhs.transform() == rhs.transform() && lhs.threshold() == rhs.threshold() &&
-         lhs.threshold_mode() == rhs.threshold_mode() && lhs.min_size() == rhs.min_size();
-}
-
-namespace {
-c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key,
-                       const char* what) {
-  return optim_detail::read_value(archive, key, what, "gwt::WaveletAdam");
-}
-}  // namespace
-
-void WaveletAdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  archive.write("lr", c10::IValue(lr()));
-  archive.write("beta1", c10::IValue(std::get<0>(betas())));
-  archive.write("beta2", c10::IValue(std::get<1>(betas())));
-  archive.write("eps", c10::IValue(eps()));
-  archive.write("weight_decay", c10::IValue(weight_decay()));
-  archive.write("wavelet", c10::IValue(wavelet()));
-  archive.write("level", c10::IValue(level()));
-  archive.write("boundary", c10::IValue(boundary()));
-  archive.write("scale", c10::IValue(scale()));
-  archive.write("norm_growth_limit", c10::IValue(norm_growth_limit()));
-  archive.write("correct_bias", c10::IValue(correct_bias()));
-  archive.write("dim", c10::IValue(dim()));
-  archive.write("fused", c10::IValue(fused()));
-  archive.write("state_dtype", c10::IValue(state_dtype()));
-  archive.write("transform", c10::IValue(transform()));
-  archive.write("threshold", c10::IValue(threshold()));
-  archive.write("threshold_mode", c10::IValue(threshold_mode()));
-  archive.write("min_size", c10::IValue(min_size()));
-}
-
-void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
-  const char* what = "saved WaveletAdamOptions";
-  lr(read_value(archive, "lr", what).toDouble());
-  betas(std::make_tuple(read_value(archive, "beta1", what).toDouble(),
-                        read_value(archive, "beta2", what).toDouble()));
-  eps(read_value(archive, "eps", what).toDouble());
-  weight_decay(read_value(archive, "weight_decay", what).toDouble());
-  wavelet(read_value(archive, "wavelet", what).toStringRef());
-  level(read_value(archive, "level", what).toInt());
-  boundary(read_value(archive, "boundary", what).toStringRef());
-  scale(read_value(archive, "scale", what).toDouble());
-  norm_growth_limit(read_value(archive, "norm_growth_limit", what).toDouble());
-  correct_bias(read_value(archive, "correct_bias", what).toBool());
-  dim(read_value(archive, "dim", what).toInt());
-  fused(read_value(archive, "fused", what).toBool());
-  state_dtype(read_value(archive, "state_dtype", what).toStringRef());
-  transform(read_value(archive, "transform", what).toStringRef());
-  threshold(read_value(archive, "threshold", what).toDouble());
-  threshold_mode(read_value(archive, "threshold_mode", what).toStringRef());
-  min_size(read_value(archive, "min_size", what).toInt());
-}
-
-void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  archive.write("step", c10::IValue(step()));
-  archive.write("exp_avg", exp_avg());
-  archive.write("exp_avg_sq", exp_avg_sq());
-  archive.write("has_norm", c10::IValue(norm().defined()));
-  if (norm().defined()) archive.write("norm", norm());
-}
-
-void WaveletAdamParamState::serialize(torch::serialize::InputArchive& archive) {
-  const char* what = "saved WaveletAdamParamState";
-  step(read_value(archive, "step", what).toInt());
-  // InputArchive::read into a defined tensor overwrites that tensor in place: read each entry into
-  // a fresh one.
-  auto read_tensor = [&](const char* key) {
-    at::Tensor tensor;
-    TORCH_CHECK(archive.try_read(key, tensor), "gwt: ", what, " has no ", key);
-    return tensor;
-  };
-  exp_avg(read_tensor("exp_avg"));
-  exp_avg_sq(read_tensor("exp_avg_sq"));
-  norm(read_value(archive, "has_norm", what).toBool() ? read_tensor("norm") : at::Tensor());
-}
-
-bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& rhs) {
-  auto same = [](const at::Tensor& a, const at::Tensor& b) {
-    return a.defined() == b.defined() && (!a.defined() || at::equal(a, b));
-  };
-  return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
-         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.norm(), rhs.norm());
-}
-
-void validate_options(const WaveletAdamOptions& o) {
-  auto finite = [](double x) { return std::isfinite(x); };
-  optim_detail::check_adam_options("gwt::WaveletAdam", o.lr(), o.betas(), o.eps(),
-                                   o.weight_decay());
-  TORCH_CHECK(o.level() >= 0 && o.level() <= 30, "gwt::WaveletAdam: invalid level ", o.level(),
-              "; it must be in [0, 30] (0 = dense Adam)");
-  TORCH_CHECK(finite(o.scale()), "gwt::WaveletAdam: invalid scale ", o.scale(),
-              "; it must be finite");
-  TORCH_CHECK(finite(o.norm_growth_limit()) && o.norm_growth_limit() >= 0,
-              "gwt::WaveletAdam: invalid norm_growth_limit ", o.norm_growth_limit(),
-              "; it must be finite and >= 0 (0 disables the limiter)");
-  TORCH_CHECK(o.transform() == "1d" || o.transform() == "2d",
-              "gwt::WaveletAdam: invalid transform '", o.transform(), "'; valid values are 1d, 2d");
-  TORCH_CHECK(finite(o.threshold()) && o.threshold() >= 0, "gwt::WaveletAdam: invalid threshold ",
-              o.threshold(), "; it must be finite and >= 0 (0 = off)");
-  TORCH_CHECK(o.threshold_mode() == "soft" || o.threshold_mode() == "hard",
-              "gwt::WaveletAdam: invalid threshold_mode '", o.threshold_mode(),
-              "'; valid values are soft, hard");
-  TORCH_CHECK(o.min_size() >= 0, "gwt::WaveletAdam: invalid min_size ", o.min_size(),
-              "; it must be >= 0");
-  Wavelet(o.wavelet());                     // throws listing the valid names
-  boundary_mode_from_string(o.boundary());  // throws listing the valid modes
-}
 
 // ----------------------------------------------------------------------------------------------
 // Planning: what a parameter's step does, decided before anything changes
 // ----------------------------------------------------------------------------------------------
 
-namespace {
+namespace wavelet_adam_detail {
 
-const WaveletAdamOptions& options_of(const torch::optim::OptimizerParamGroup& group) {
-  return static_cast<const WaveletAdamOptions&>(group.options());
-}
-
-using optim_detail::compute_dtype;
-using optim_detail::kind_of;
-
-// The dtype the moments are kept in.
 at::ScalarType state_dtype(const at::Tensor& param, const WaveletAdamOptions& o) {
-  return o.state_dtype() == "bfloat16" ? at::kBFloat16 : compute_dtype(param);
+  return o.state_dtype() == "bfloat16" ? at::kBFloat16 : optim_detail::compute_dtype(param);
 }
-
-void check_param(const at::Tensor& param) {
-  optim_detail::check_param("gwt::WaveletAdam", param);
-}
-
-struct Plan {
-  bool wavelet = false;
-  bool two_d = false;                // transform "2d": over the last two dimensions
-  int64_t dim = 0;                   // normalised transform dimension (wavelet only)
-  std::vector<int64_t> state_shape;  // shape of exp_avg / exp_avg_sq
-};
 
 Plan plan_for(const at::Tensor& param, const WaveletAdamOptions& o) {
   Plan plan;
@@ -217,6 +67,22 @@ void check_state(const WaveletAdamParamState& state, const at::Tensor& param, co
               "gwt::WaveletAdam: a saved step count is negative: ", state.step());
   TORCH_CHECK(!state.norm().defined() || state.norm().numel() == 1,
               "gwt::WaveletAdam: the limiter norm in the state must be a single value");
+}
+
+}  // namespace wavelet_adam_detail
+
+namespace {
+
+using optim_detail::compute_dtype;
+using optim_detail::kind_of;
+using wavelet_adam_detail::check_state;
+using wavelet_adam_detail::options_of;
+using wavelet_adam_detail::Plan;
+using wavelet_adam_detail::plan_for;
+using wavelet_adam_detail::state_dtype;
+
+void check_param(const at::Tensor& param) {
+  optim_detail::check_param("gwt::WaveletAdam", param);
 }
 
 // Which implementation computes a parameter's step.
@@ -353,6 +219,9 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
 // reference (transform along the last, contiguous dimension), the ATen reference elsewhere.
 Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& plan) {
   if (!o.fused() || !plan.wavelet || plan.dim != param.dim() - 1 || !param.is_contiguous())
+    return Path::reference;
+  // A GPU the CUDA kernels have no image for (warned once): the reference. CPU tensors never ask.
+  if (param.is_cuda() && !kernels::cuda_kernels_run_on(param.device().index()))
     return Path::reference;
   const bool haar = o.wavelet() == "haar" || o.wavelet() == "db1";
   // Haar's zero mode pads odd lengths with zeros, which keeps blocks local; the other modes agree
@@ -648,34 +517,6 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
     update_param(w);
   }
   return loss;
-}
-
-// ----------------------------------------------------------------------------------------------
-// Serialization: one nested archive per group, each holding its options and its parameters' state
-// by position. load() reads and checks everything before it changes anything.
-// ----------------------------------------------------------------------------------------------
-
-namespace {
-constexpr const char* k_format = "gwt.WaveletAdam.v1";
-}  // namespace
-
-void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
-  optim_detail::save_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
-      *this, archive, k_format, {{"skipped_steps", skipped_steps_}});
-}
-
-void WaveletAdam::load(torch::serialize::InputArchive& archive) {
-  const auto counters = optim_detail::load_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
-      *this, archive, k_format, {"skipped_steps"}, "gwt::WaveletAdam",
-      [](WaveletAdamParamState& state, const at::Tensor& param, const WaveletAdamOptions& options) {
-        check_state(state, param, plan_for(param, options));
-        const auto moments = param.options().dtype(state_dtype(param, options));
-        state.exp_avg(state.exp_avg().to(moments).contiguous());
-        state.exp_avg_sq(state.exp_avg_sq().to(moments).contiguous());
-        if (state.norm().defined())
-          state.norm(state.norm().to(param.options().dtype(compute_dtype(param))).reshape({}));
-      });
-  skipped_steps_ = counters.at("skipped_steps");
 }
 
 // ----------------------------------------------------------------------------------------------

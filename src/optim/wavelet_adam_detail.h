@@ -1,0 +1,38 @@
+#pragma once
+
+// Internal to gwt::WaveletAdam (not installed): how a parameter's step is planned, shared by the
+// step (wavelet_adam.cpp) and load (wavelet_adam_serialize.cpp).
+
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "gwt/optim/wavelet_adam.h"
+
+namespace gwt {
+namespace wavelet_adam_detail {
+
+inline const WaveletAdamOptions& options_of(const torch::optim::OptimizerParamGroup& group) {
+  return static_cast<const WaveletAdamOptions&>(group.options());
+}
+
+/// The dtype the moments are kept in.
+at::ScalarType state_dtype(const at::Tensor& param, const WaveletAdamOptions& o);
+
+struct Plan {
+  bool wavelet = false;
+  bool two_d = false;                // transform "2d": over the last two dimensions
+  int64_t dim = 0;                   // normalised transform dimension (wavelet only)
+  std::vector<int64_t> state_shape;  // shape of exp_avg / exp_avg_sq
+};
+
+/// What a parameter's step does under `o` (throws if dim is out of range for it).
+Plan plan_for(const at::Tensor& param, const WaveletAdamOptions& o);
+
+/// Throws unless `state` fits `param` under `plan`.
+void check_state(const WaveletAdamParamState& state, const at::Tensor& param, const Plan& plan);
+
+}  // namespace wavelet_adam_detail
+}  // namespace gwt

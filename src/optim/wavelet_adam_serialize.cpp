@@ -1,0 +1,81 @@
+// gwt::WaveletAdam's checkpoints: the per-parameter state's archive form, and save/load (one
+// nested archive per group, each holding its options and its parameters' state by position;
+// load() reads and checks everything before it changes anything).
+
+#include <ATen/ATen.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <string>
+
+#include "checkpoint.h"
+#include "common.h"
+#include "gwt/optim/wavelet_adam.h"
+#include "wavelet_adam_detail.h"
+
+namespace gwt {
+
+namespace {
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key,
+                       const char* what) {
+  return optim_detail::read_value(archive, key, what, "gwt::WaveletAdam");
+}
+constexpr const char* k_format = "gwt.WaveletAdam.v1";
+}  // namespace
+
+void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("step", c10::IValue(step()));
+  archive.write("exp_avg", exp_avg());
+  archive.write("exp_avg_sq", exp_avg_sq());
+  archive.write("has_norm", c10::IValue(norm().defined()));
+  if (norm().defined()) archive.write("norm", norm());
+}
+
+void WaveletAdamParamState::serialize(torch::serialize::InputArchive& archive) {
+  const char* what = "saved WaveletAdamParamState";
+  step(read_value(archive, "step", what).toInt());
+  // InputArchive::read into a defined tensor overwrites that tensor in place: read each entry into
+  // a fresh one.
+  auto read_tensor = [&](const char* key) {
+    at::Tensor tensor;
+    TORCH_CHECK(archive.try_read(key, tensor), "gwt: ", what, " has no ", key);
+    return tensor;
+  };
+  exp_avg(read_tensor("exp_avg"));
+  exp_avg_sq(read_tensor("exp_avg_sq"));
+  norm(read_value(archive, "has_norm", what).toBool() ? read_tensor("norm") : at::Tensor());
+}
+
+bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& rhs) {
+  auto same = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.defined() == b.defined() && (!a.defined() || at::equal(a, b));
+  };
+  return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
+         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.norm(), rhs.norm());
+}
+
+void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
+  optim_detail::save_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
+      *this, archive, k_format, {{"skipped_steps", skipped_steps_}});
+}
+
+void WaveletAdam::load(torch::serialize::InputArchive& archive) {
+  using wavelet_adam_detail::check_state;
+  using wavelet_adam_detail::plan_for;
+  using wavelet_adam_detail::state_dtype;
+  const auto counters = optim_detail::load_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
+      *this, archive, k_format, {"skipped_steps"}, "gwt::WaveletAdam",
+      [](WaveletAdamParamState& state, const at::Tensor& param, const WaveletAdamOptions& options) {
+        check_state(state, param, plan_for(param, options));
+        const auto moments = param.options().dtype(state_dtype(param, options));
+        state.exp_avg(state.exp_avg().to(moments).contiguous());
+        state.exp_avg_sq(state.exp_avg_sq().to(moments).contiguous());
+        if (state.norm().defined())
+          state.norm(state.norm()
+                         .to(param.options().dtype(optim_detail::compute_dtype(param)))
+                         .reshape({}));
+      });
+  skipped_steps_ = counters.at("skipped_steps");
+}
+
+}  // namespace gwt
