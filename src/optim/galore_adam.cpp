@@ -6,9 +6,13 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <atomic>
 #include <cmath>
+#include <limits>
 #include <memory>
+#include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "checkpoint.h"
 #include "common.h"
@@ -194,20 +198,60 @@ void check_state(const GaLoreAdamParamState& state, const at::Tensor& param, con
   }
 }
 
-// A new projector from an SVD of the gradient, or nullopt when the SVD fails or is not finite.
+// The state the update uses must live where the parameter does, in its math type, contiguous.
+// Checked before a step changes anything: a model converted or moved after its first step would
+// otherwise fail half-way (step counted, projector replaced, moments scaled) or compute in the old
+// type.
+void check_placement(const GaLoreAdamParamState& state, const at::Tensor& param, const Plan& plan) {
+  const at::ScalarType dtype = optim_detail::compute_dtype(param);
+  const std::pair<const char*, const at::Tensor*> tensors[] = {
+      {"exp_avg", &state.exp_avg()},
+      {"exp_avg_sq", &state.exp_avg_sq()},
+      {"projector", plan.projected ? &state.projector() : nullptr}};
+  for (const auto& [name, t] : tensors) {
+    if (t == nullptr || !t->defined()) continue;
+    TORCH_CHECK(t->scalar_type() == dtype && t->device() == param.device() && t->is_contiguous(),
+                k_who, ": the ", name, " of a ", param.scalar_type(), " parameter of shape ",
+                param.sizes(), " on ", param.device(), " is ", t->scalar_type(), " on ",
+                t->device(), t->is_contiguous() ? "" : " (not contiguous)", "; it must be ", dtype,
+                ", contiguous, on ", param.device(),
+                ". Convert or move the model before the first step, or save the optimizer and load "
+                "it again after converting or moving the model");
+  }
+}
+
+std::atomic<int> g_svd_fault{static_cast<int>(detail::SvdFault::none)};
+
+// A new projector from an SVD of the gradient, or nullopt when LAPACK does not converge or the
+// result is not finite. Other errors (out of memory, CUDA errors, bugs) propagate: they are not a
+// property of this gradient, and hiding them would train on stale projectors without a word.
 std::optional<at::Tensor> fresh_projector(const at::Tensor& grad, const GaLoreAdamOptions& o,
                                           const Plan& plan, int64_t iteration) {
   // float32 SVD even for bfloat16/float16 gradients (float64 stays float64).
   const at::Tensor g = grad.to(optim_detail::compute_dtype(grad));
+  // A finite gradient of another dtype can overflow in the conversion: no SVD of infinities (the
+  // step is skipped: its projection is not finite either).
+  if (!optim_detail::all_finite({g})) return std::nullopt;
+  const auto fault =
+      static_cast<detail::SvdFault>(g_svd_fault.exchange(static_cast<int>(detail::SvdFault::none)));
+  at::Tensor projector;
   try {
+    TORCH_CHECK_LINALG(fault != detail::SvdFault::linalg_error,
+                       "gwt: injected SVD convergence failure (test hook)");
+    TORCH_CHECK_WITH(OutOfMemoryError, fault != detail::SvdFault::out_of_memory,
+                     "gwt: injected out-of-memory error in the SVD (test hook)");
+    TORCH_CHECK(fault != detail::SvdFault::other_error, "gwt: injected SVD error (test hook)");
     const auto [u, s, vh] = truncated_svd(g, plan.rank, o.svd() == "randomized", o.oversample(),
                                           o.power_iters(), static_cast<uint64_t>(iteration));
-    at::Tensor projector = plan.right ? vh.contiguous() : u.contiguous();
-    if (!at::isfinite(projector).all().item<bool>()) return std::nullopt;
-    return projector;
-  } catch (const c10::Error&) {
+    projector = plan.right ? vh.contiguous() : u.contiguous();
+  } catch (const c10::LinAlgError&) {
+    // ATen raises LinAlgError (TORCH_CHECK_LINALG) when LAPACK's SVD does not converge.
     return std::nullopt;
   }
+  if (fault == detail::SvdFault::non_finite)
+    projector.fill_(std::numeric_limits<double>::quiet_NaN());
+  if (!optim_detail::all_finite({projector})) return std::nullopt;
+  return projector;
 }
 
 // The first r coordinate vectors: the projector of last resort, when the very first SVD fails.
@@ -219,27 +263,56 @@ at::Tensor coordinate_projector(const at::Tensor& param, const Plan& plan, at::S
 
 }  // namespace
 
+namespace detail {
+void inject_svd_fault(SvdFault fault) {
+  g_svd_fault.store(static_cast<int>(fault));
+}
+}  // namespace detail
+
 GaLoreAdam::GaLoreAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                        GaLoreAdamOptions defaults)
-    : Optimizer(param_groups, std::make_unique<GaLoreAdamOptions>(defaults)) {
+    : Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                std::make_unique<GaLoreAdamOptions>(defaults)) {
   validate_options(defaults);
-  std::unordered_set<const void*> seen;
-  for (const auto i : c10::irange(param_groups.size())) {
-    // add_param_group may have replaced a custom group's options with the defaults: restore them.
-    if (param_groups[i].has_options()) {
-      const auto* given = dynamic_cast<const GaLoreAdamOptions*>(&param_groups[i].options());
-      TORCH_CHECK(given != nullptr, k_who, ": parameter group ", i,
-                  " has options of another optimizer; give it gwt::GaLoreAdamOptions");
-      this->param_groups()[i].set_options(std::make_unique<GaLoreAdamOptions>(*given));
-    }
-    validate_options(options_of(this->param_groups()[i]));
-    for (const auto& param : this->param_groups()[i].params()) {
-      optim_detail::check_param(k_who, param);
-      TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, k_who, ": a parameter of shape ",
-                  param.sizes(),
-                  " appears more than once (each parameter may be in one group once)");
-    }
+  for (const auto& group : param_groups) add_param_group(group);
+}
+
+void GaLoreAdam::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  const size_t index = param_groups_.size();
+  std::unique_ptr<GaLoreAdamOptions> options;
+  if (param_group.has_options()) {
+    const auto* given = dynamic_cast<const GaLoreAdamOptions*>(&param_group.options());
+    TORCH_CHECK(given != nullptr, k_who, ": parameter group ", index,
+                " has options of another optimizer; give it gwt::GaLoreAdamOptions");
+    options = std::make_unique<GaLoreAdamOptions>(*given);
+  } else {
+    options =
+        std::make_unique<GaLoreAdamOptions>(static_cast<const GaLoreAdamOptions&>(defaults()));
   }
+  validate_options(*options);
+  std::unordered_map<const void*, size_t> group_of;
+  for (const auto i : c10::irange(index))
+    for (const auto& param : param_groups_[i].params()) group_of[param.unsafeGetTensorImpl()] = i;
+  std::unordered_set<const void*> seen;
+  for (const auto& param : param_group.params()) {
+    optim_detail::check_param(k_who, param);
+    TORCH_CHECK(param.is_leaf(), k_who, ": a parameter of shape ", param.sizes(),
+                " in parameter group ", index,
+                " is not a leaf tensor; optimize the tensors that require grad, not results of "
+                "operations on them");
+    const auto it = group_of.find(param.unsafeGetTensorImpl());
+    TORCH_CHECK(it == group_of.end(), k_who, ": a parameter of shape ", param.sizes(),
+                " given for parameter group ", index, " is already in parameter group ",
+                it == group_of.end() ? 0 : it->second,
+                " (each parameter may be in one group once)");
+    TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, k_who, ": a parameter of shape ",
+                param.sizes(), " appears more than once in parameter group ", index,
+                " (each parameter may be in one group once)");
+  }
+  // Everything checked: LibTorch's add_param_group (with the defaults, which it clones), then the
+  // group's own options, which it would have replaced.
+  Optimizer::add_param_group(torch::optim::OptimizerParamGroup(param_group.params()));
+  param_groups_.back().set_options(std::move(options));
 }
 
 GaLoreAdam::GaLoreAdam(std::vector<at::Tensor> params, GaLoreAdamOptions defaults)
@@ -275,8 +348,11 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
       optim_detail::check_grad(k_who, param, param.grad());
       Plan plan = plan_for(param, options);
       auto it = state_.find(param.unsafeGetTensorImpl());
-      if (it != state_.end())
-        check_state(static_cast<const GaLoreAdamParamState&>(*it->second), param, plan);
+      if (it != state_.end()) {
+        const auto& state = static_cast<const GaLoreAdamParamState&>(*it->second);
+        check_state(state, param, plan);
+        check_placement(state, param, plan);
+      }
       work.push_back({param, &options, std::move(plan)});
       grads.push_back(param.grad());
     }
@@ -383,17 +459,55 @@ void GaLoreAdam::save(torch::serialize::OutputArchive& archive) const {
   optim_detail::save_checkpoint<GaLoreAdamOptions, GaLoreAdamParamState>(
       *this, archive, k_format,
       {{"skipped_steps", skipped_steps_}, {"svd_fallbacks", svd_fallbacks_}});
+  optim_detail::save_param_digests(*this, archive);
 }
 
 void GaLoreAdam::load(torch::serialize::InputArchive& archive) {
+  const std::vector<std::string> counter_names = {"skipped_steps", "svd_fallbacks"};
+  // Checks of the whole archive, before load_checkpoint reads it into temporaries (the format is
+  // load_checkpoint's to report).
+  c10::IValue format;
+  if (archive.try_read("format", format) && format.isString() && format.toStringRef() == k_format) {
+    for (const auto& name : counter_names) {
+      c10::IValue value;
+      if (archive.try_read(name, value) && value.isInt())
+        TORCH_CHECK(value.toInt() >= 0, k_who, "::load: the checkpoint's ", name, " ",
+                    value.toInt(), " is invalid (counters are >= 0); the checkpoint is corrupt");
+    }
+    optim_detail::check_param_digests(*this, archive, k_who);
+  }
+  // Where each parameter is, for messages.
+  std::unordered_map<const void*, std::pair<size_t, size_t>> position;
+  for (const auto i : c10::irange(param_groups().size()))
+    for (const auto j : c10::irange(param_groups()[i].params().size()))
+      position[param_groups()[i].params()[j].unsafeGetTensorImpl()] = {i, j};
   const auto counters = optim_detail::load_checkpoint<GaLoreAdamOptions, GaLoreAdamParamState>(
-      *this, archive, k_format, {"skipped_steps", "svd_fallbacks"}, k_who,
-      [](GaLoreAdamParamState& state, const at::Tensor& param, const GaLoreAdamOptions& options) {
+      *this, archive, k_format, counter_names, k_who,
+      [&](GaLoreAdamParamState& state, const at::Tensor& param, const GaLoreAdamOptions& options) {
+        const auto& at_position = position.at(param.unsafeGetTensorImpl());
+        const size_t i = at_position.first, j = at_position.second;
+        TORCH_CHECK(state.step() >= 0, k_who, "::load: the checkpoint's step ", state.step(),
+                    " for parameter ", j, " of group ", i,
+                    " is invalid (steps are >= 0); the checkpoint is corrupt");
         check_state(state, param, plan_for(param, options));
         const auto target = param.options().dtype(optim_detail::compute_dtype(param));
         state.exp_avg(state.exp_avg().to(target).contiguous());
         state.exp_avg_sq(state.exp_avg_sq().to(target).contiguous());
         if (state.projector().defined()) state.projector(state.projector().to(target).contiguous());
+        // In the dtype the steps will use: a finite float64 value can overflow float32.
+        const std::pair<const char*, const at::Tensor*> tensors[] = {
+            {"exp_avg", &state.exp_avg()},
+            {"exp_avg_sq", &state.exp_avg_sq()},
+            {"projector", &state.projector()}};
+        for (const auto& [name, t] : tensors) {
+          if (!t->defined()) continue;
+          TORCH_CHECK(optim_detail::all_finite({*t}), k_who, "::load: the checkpoint's ", name,
+                      " for parameter ", j, " of group ", i, " is not finite (a NaN or infinity",
+                      " in ", t->scalar_type(), "); the checkpoint is corrupt");
+        }
+        TORCH_CHECK(!(state.exp_avg_sq() < 0).any().item<bool>(), k_who,
+                    "::load: the checkpoint's exp_avg_sq for parameter ", j, " of group ", i,
+                    " has negative values (second moments are >= 0); the checkpoint is corrupt");
       });
   skipped_steps_ = counters.at("skipped_steps");
   svd_fallbacks_ = counters.at("svd_fallbacks");

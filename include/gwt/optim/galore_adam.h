@@ -65,9 +65,27 @@ struct GaLoreAdamParamState
 };
 
 /// Drop-in torch::optim optimizer. Projectors are refreshed from an SVD of the current gradient in
-/// float32 (float64 for float64 gradients) every update_proj_gap steps; if the SVD fails or returns
-/// non-finite values, the previous projector is kept (the first time: the leading coordinate
-/// vectors) and svd_fallbacks() counts it. Non-finite gradients skip the step (skipped_steps()).
+/// float32 (float64 for float64 gradients) every update_proj_gap steps; if LAPACK fails to
+/// converge (c10::LinAlgError) or the SVD returns non-finite values, the previous projector is kept
+/// (the first time: the leading coordinate vectors, P = I[:r] on the projected side) and
+/// svd_fallbacks() counts it. Any other error of the SVD (out of memory, a CUDA error) propagates,
+/// with nothing changed. Non-finite gradients skip the step (skipped_steps()).
+///
+/// - Each group's options are used exactly as given, also for groups added later with
+///   add_param_group (call it on the GaLoreAdam, not through a torch::optim::Optimizer&: LibTorch's
+///   version is not virtual, and replaces the options of optimizers it does not know with the
+///   defaults).
+/// - The state must be on the parameter's device, in its math type (float64 for float64
+///   parameters, else float32), contiguous: a model converted or moved after its first step is an
+///   error at step() before anything changes. Save the optimizer and load it again after converting
+///   or moving the model; load() moves the state to the parameters.
+/// - load() checks the checkpoint before it changes anything: shapes and options, moments and
+///   projectors finite, second moments >= 0, steps and counters >= 0, and the order of the
+///   parameters: the checkpoint holds a digest of each parameter's bytes, and a parameter that now
+///   holds the values another position had when saved is an error (parameters reordered or moved
+///   between groups). This is detected when the model's weights are loaded before the optimizer;
+///   a model whose values differ from the saved ones (not loaded yet) cannot be checked.
+///   Checkpoints written before digests were added load without this check.
 class GaLoreAdam : public torch::optim::Optimizer {
  public:
   explicit GaLoreAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
@@ -77,6 +95,12 @@ class GaLoreAdam : public torch::optim::Optimizer {
   at::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+
+  /// Adds a group with its own options (gwt::GaLoreAdamOptions, checked) or, without options, the
+  /// defaults. Hides torch::optim::Optimizer::add_param_group (see above). Throws, with nothing
+  /// changed, for options of another optimizer, invalid options, a parameter that is not a
+  /// floating-point leaf tensor, or one already in this optimizer.
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
 
   /// Bytes of optimizer state (moments and projectors) for all parameters, or for one.
   int64_t state_bytes() const;
@@ -102,5 +126,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> truncated_svd(const at::Tensor& m
                                                              int64_t oversample = 8,
                                                              int64_t power_iters = 2,
                                                              uint64_t seed = 0);
+
+namespace detail {
+
+/// Test-only, not part of the API: how the next projector SVD computed by GaLoreAdam::step fails,
+/// for tests of the fallback. The fault is used up by that SVD (one per call; process-wide).
+enum class SvdFault {
+  none,
+  linalg_error,   ///< throws c10::LinAlgError, as ATen does when LAPACK does not converge
+  non_finite,     ///< the SVD returns a NaN projector
+  out_of_memory,  ///< throws c10::OutOfMemoryError
+  other_error,    ///< throws a plain c10::Error
+};
+void inject_svd_fault(SvdFault fault);
+
+}  // namespace detail
 
 }  // namespace gwt
