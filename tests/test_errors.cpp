@@ -2,11 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
 
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -91,11 +93,92 @@ TEST(Errors, BadOptionsAtConstructionNameTheProblem) {
   expect_error(make(WaveletAdamOptions().dim(2)), {"dim", "out of range"});
 }
 
+TEST(Errors, StateDtypeMustBeAValidName) {
+  // "bf16" and the like used to mean float32 moments silently.
+  const at::Tensor p = at::randn({4, 8}).requires_grad_(true);
+  for (const char* bad : {"bf16", "float32", "BFloat16", "", "float16"})
+    expect_error([&] { WaveletAdam opt({p}, WaveletAdamOptions().state_dtype(bad)); },
+                 {"invalid state_dtype", "valid values are auto, bfloat16"});
+  for (const char* good : {"auto", "bfloat16"})
+    EXPECT_NO_THROW(WaveletAdam({p}, WaveletAdamOptions().state_dtype(good))) << good;
+
+  // Changed mid-run: caught at step, before any state changes.
+  Fixture f;
+  f.w.mutable_grad() = at::randn({8, 32}, at::kDouble);
+  f.b.mutable_grad() = at::randn({8}, at::kDouble);
+  static_cast<WaveletAdamOptions&>(f.opt.param_groups()[0].options()).state_dtype("bf16");
+  expect_error([&] { f.opt.step(); }, {"invalid state_dtype 'bf16'"});
+  f.expect_unchanged();
+}
+
+TEST(Errors, EpsMustBePositiveInFloat32) {
+  // eps = 0 made 0 / 0 on a block of zero gradients: the fused path skipped every step as
+  // non-finite, the reference wrote NaN. 1e-300 is 0 once cast to the float32 math.
+  const at::Tensor p = at::randn({4, 8}).requires_grad_(true);
+  for (double bad : {0.0, -0.0, 1e-300, 1e-39})
+    expect_error([&] { WaveletAdam opt({p}, WaveletAdamOptions().eps(bad)); },
+                 {"invalid eps", "smallest normal float32"});
+
+  // Changed mid-run: caught at step, before anything changes.
+  Fixture f;
+  f.w.mutable_grad() = at::randn({8, 32}, at::kDouble);
+  f.b.mutable_grad() = at::randn({8}, at::kDouble);
+  static_cast<WaveletAdamOptions&>(f.opt.param_groups()[0].options()).eps(0);
+  expect_error([&] { f.opt.step(); }, {"invalid eps 0"});
+  f.expect_unchanged();
+
+  // The smallest accepted eps keeps a block of zero gradients finite (0 / eps = 0) on the fused
+  // and the reference path, in float32 (where eps is exactly FLT_MIN) and float64. Rows 0-1 are
+  // zero: their blocks have m = v = 0 at every step.
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    for (bool fused : {true, false}) {
+      at::Tensor q = at::ones({4, 16}, dtype).requires_grad_(true);
+      WaveletAdam opt({q},
+                      WaveletAdamOptions(1e-3).eps(std::numeric_limits<float>::min()).fused(fused));
+      for (int t = 0; t < 3; ++t) {
+        at::Tensor g = at::randn({4, 16}, dtype);
+        g.narrow(0, 0, 2).zero_();
+        q.mutable_grad() = g;
+        opt.step();
+      }
+      EXPECT_EQ(opt.skipped_steps(), 0) << dtype << " fused " << fused;
+      EXPECT_TRUE(at::isfinite(q).all().item<bool>()) << dtype << " fused " << fused;
+      // Zero gradients and zero moments: rows 0-1 did not move.
+      EXPECT_TRUE(at::equal(q.detach().narrow(0, 0, 2), at::ones({2, 16}, dtype)));
+    }
+  }
+}
+
 TEST(Errors, IntegerBoolAndComplexParametersAreRejected) {
   for (auto dtype : {at::kLong, at::kInt, at::kBool, at::kComplexFloat}) {
     const at::Tensor p = at::zeros({4, 8}, dtype);
     expect_error([&] { WaveletAdam opt({p}); }, {"parameters must be", "float"});
   }
+}
+
+TEST(Errors, Float8ParametersAreRejectedNamingTheSupportedDtypes) {
+  // float8 passes is_floating_point() but no kernel or reference path computes in it.
+  for (auto dtype :
+       {at::kFloat8_e4m3fn, at::kFloat8_e5m2, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2fnuz}) {
+    const at::Tensor p = at::zeros({4, 8}, at::kFloat).to(dtype);
+    expect_error([&] { WaveletAdam opt({p}); },
+                 {"parameters must be float64, float32, float16 or bfloat16", "Float8"});
+  }
+  // A parameter converted in place after construction is caught at step, before anything changes.
+  Fixture f;
+  f.w.mutable_grad() = at::randn({8, 32}, at::kDouble);
+  f.b.mutable_grad() = at::randn({8}, at::kDouble);
+  const at::Tensor b_data = f.b.detach().clone();
+  {
+    at::NoGradGuard no_grad;
+    f.b.set_data(b_data.to(at::kFloat8_e4m3fn));
+  }
+  expect_error([&] { f.opt.step(); }, {"float8", "Float8_e4m3fn"});
+  {
+    at::NoGradGuard no_grad;
+    f.b.set_data(b_data);
+  }
+  f.expect_unchanged();
 }
 
 TEST(Errors, ParameterInTwoGroupsIsRejected) {
@@ -104,6 +187,44 @@ TEST(Errors, ParameterInTwoGroupsIsRejected) {
   groups.emplace_back(std::vector<at::Tensor>{p});
   groups.emplace_back(std::vector<at::Tensor>{p});
   expect_error([&] { WaveletAdam opt(std::move(groups)); }, {"more than once"});
+}
+
+TEST(Errors, AddParamGroupRejectsDuplicatesAndBadOptionsChangingNothing) {
+  Fixture f;
+  const at::Tensor fresh = at::randn({4, 8}, at::kDouble).requires_grad_(true);
+  const auto before = f.opt.group_options(0);
+  auto group = [](std::vector<at::Tensor> params, WaveletAdamOptions o = {}) {
+    return torch::optim::OptimizerParamGroup(std::move(params),
+                                             std::make_unique<WaveletAdamOptions>(o));
+  };
+  // A parameter already in a group (with state, and without: LibTorch checked only the state).
+  WaveletAdam without_state({fresh});
+  expect_error([&] { without_state.add_param_group(group({fresh})); }, {"more than once"});
+  EXPECT_EQ(without_state.param_groups().size(), 1u);
+  expect_error([&] { f.opt.add_param_group(group({fresh, f.b})); }, {"more than once", "[8]"});
+  // The same tensor twice in the new group.
+  expect_error([&] { f.opt.add_param_group(group({fresh, fresh})); }, {"more than once"});
+  // Invalid options, options of another optimizer, a non-leaf tensor, an integer tensor.
+  expect_error([&] { f.opt.add_param_group(group({fresh}, WaveletAdamOptions().level(-1))); },
+               {"invalid level"});
+  expect_error([&] { f.opt.add_param_group(group({fresh}, WaveletAdamOptions().dim(2))); },
+               {"dim", "out of range"});
+  expect_error(
+      [&] {
+        f.opt.add_param_group(torch::optim::OptimizerParamGroup(
+            {fresh}, std::make_unique<torch::optim::AdamWOptions>(0.1)));
+      },
+      {"options of another optimizer"});
+  expect_error([&] { f.opt.add_param_group(group({fresh * 2})); }, {"non-leaf"});
+  expect_error([&] { f.opt.add_param_group(group({at::zeros({4}, at::kLong)})); },
+               {"parameters must be"});
+  EXPECT_EQ(f.opt.param_groups().size(), 1u);
+  EXPECT_EQ(f.opt.param_groups()[0].params().size(), 2u);
+  EXPECT_TRUE(f.opt.group_options(0) == before);
+  f.expect_unchanged();
+  // A valid group is then accepted.
+  f.opt.add_param_group(group({fresh}, WaveletAdamOptions(0.2)));
+  EXPECT_EQ(f.opt.group_options(1).lr(), 0.2);
 }
 
 TEST(Errors, SparseGradientLeavesEverythingUnchanged) {
@@ -199,6 +320,179 @@ TEST(Errors, LoadingMismatchedGroupsOrShapesLeavesEverythingUnchanged) {
     EXPECT_TRUE(opt.state().empty());
   }
   std::remove(path.c_str());
+}
+
+WaveletAdamParamState& state_in(WaveletAdam& opt, const at::Tensor& p) {
+  return static_cast<WaveletAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+}
+
+std::string saved_bytes(WaveletAdam& opt) {
+  std::ostringstream out;
+  torch::save(opt, out);
+  return out.str();
+}
+
+void load_bytes(WaveletAdam& opt, const std::string& bytes) {
+  std::istringstream in(bytes);
+  torch::load(opt, in);
+}
+
+// A checkpoint in the gwt.WaveletAdam.v1 layout written here by hand, as WaveletAdam::save wrote
+// it before the per-parameter dtype entries existed: one group, every parameter with state.
+std::string handwritten_checkpoint(const WaveletAdamOptions& options,
+                                   const std::vector<at::Tensor>& params,
+                                   const std::vector<const WaveletAdamParamState*>& states,
+                                   int64_t skipped_steps) {
+  torch::serialize::OutputArchive archive;
+  archive.write("format", c10::IValue(std::string("gwt.WaveletAdam.v1")));
+  archive.write("num_groups", c10::IValue(int64_t{1}));
+  archive.write("skipped_steps", c10::IValue(skipped_steps));
+  torch::serialize::OutputArchive group(archive.compilation_unit());
+  torch::serialize::OutputArchive options_archive(archive.compilation_unit());
+  options.serialize(options_archive);
+  group.write("options", options_archive);
+  group.write("num_params", c10::IValue(static_cast<int64_t>(params.size())));
+  for (size_t j = 0; j < params.size(); ++j) {
+    // (Built with append: GCC 12 warns falsely on `"param_" + std::to_string(j)`, GCC bug 105329.)
+    const std::string key = std::string("param_").append(std::to_string(j));
+    group.write(std::string(key).append("_shape"), c10::IValue(params[j].sizes().vec()));
+    torch::serialize::OutputArchive state(archive.compilation_unit());
+    states[j]->serialize(state);
+    group.write(key, state);
+  }
+  archive.write("group_0", group);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+TEST(Errors, CorruptCheckpointStateIsRejectedChangingNothing) {
+  // Each checkpoint comes from a trained optimizer of the Fixture's shapes whose state was
+  // corrupted before saving, and whose lr (0.5) differs from the target's, so that a load that
+  // went part of the way would show in the options as well as in the state.
+  using Corrupt = std::function<void(WaveletAdamParamState & w, WaveletAdamParamState & b)>;
+  struct Case {
+    const char* what;
+    Corrupt corrupt;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {"nothing", [](auto&, auto&) {}, {}},
+      {"NaN in exp_avg",
+       [](auto& w, auto&) { w.exp_avg()[0][1] = k_nan; },
+       {"exp_avg ", "[8, 32]", "NaN or an infinity"}},
+      {"inf in exp_avg_sq",
+       [](auto&, auto& b) { b.exp_avg_sq()[3] = k_inf; },
+       {"exp_avg_sq", "[8]", "NaN or an infinity"}},
+      {"negative exp_avg_sq",
+       [](auto& w, auto&) { w.exp_avg_sq()[2][0] = -1e-3; },
+       {"exp_avg_sq", "negative value"}},
+      {"NaN limiter norm",
+       [](auto& w, auto&) { w.norm(at::scalar_tensor(k_nan, at::kDouble)); },
+       {"limiter norm", "NaN or an infinity"}},
+      {"negative limiter norm",
+       [](auto& w, auto&) { w.norm(at::scalar_tensor(-2.0, at::kDouble)); },
+       {"limiter norm", "negative value"}},
+      {"negative step", [](auto&, auto& b) { b.step(-3); }, {"step count is negative", "-3"}},
+      {"integer moments",
+       [](auto& w, auto&) { w.exp_avg(w.exp_avg().to(at::kLong)); },
+       {"Long", "floating point"}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    Fixture source;
+    static_cast<WaveletAdamOptions&>(source.opt.param_groups()[0].options()).lr(0.5);
+    c.corrupt(state_in(source.opt, source.w), state_in(source.opt, source.b));
+    const std::string bytes = saved_bytes(source.opt);
+    Fixture f;
+    if (c.words.empty()) {  // the uncorrupted checkpoint loads
+      load_bytes(f.opt, bytes);
+      EXPECT_EQ(f.opt.group_options(0).lr(), 0.5);
+      EXPECT_TRUE(state_in(f.opt, f.w) == state_in(source.opt, source.w));
+      continue;
+    }
+    expect_error([&] { load_bytes(f.opt, bytes); }, c.words);
+    f.expect_unchanged();
+    EXPECT_EQ(f.opt.group_options(0).lr(), 0.01);
+  }
+
+  // Checked in the dtype the state will have: 1e300 is finite in float64 and infinite once the
+  // moments are converted for a model that became float32 as a whole.
+  Fixture source;
+  state_in(source.opt, source.w).exp_avg()[0][0] = 1e300;
+  at::Tensor w = at::randn({8, 32}).requires_grad_(true), b = at::randn({8}).requires_grad_(true);
+  WaveletAdam target({w, b}, WaveletAdamOptions(0.01));
+  expect_error([&] { load_bytes(target, saved_bytes(source.opt)); },
+               {"exp_avg ", "NaN or an infinity"});
+  EXPECT_TRUE(target.state().empty());
+}
+
+TEST(Errors, CheckpointOfParametersReorderedAcrossDtypesIsRejected) {
+  // Equal shapes, different dtypes: the saved shapes cannot tell the reorder, the dtypes can.
+  at::Tensor a = at::randn({8, 32}, at::kFloat).requires_grad_(true);
+  at::Tensor c = at::randn({8, 32}, at::kDouble).requires_grad_(true);
+  WaveletAdam saved({a, c}, WaveletAdamOptions(0.01));
+  a.mutable_grad() = at::randn({8, 32}, at::kFloat);
+  c.mutable_grad() = at::randn({8, 32}, at::kDouble);
+  saved.step();
+  const std::string bytes = saved_bytes(saved);
+
+  at::Tensor a2 = a.detach().clone().requires_grad_(true);
+  at::Tensor c2 = c.detach().clone().requires_grad_(true);
+  // With the model's weights loaded, the digests of the parameters' bytes tell the reorder.
+  WaveletAdam reordered({c2, a2}, WaveletAdamOptions(0.02));
+  expect_error([&] { load_bytes(reordered, bytes); },
+               {"holds the values that parameter 1 of group 0 had", "reordered"});
+  EXPECT_TRUE(reordered.state().empty());
+  EXPECT_EQ(reordered.group_options(0).lr(), 0.02);
+  // With fresh weights the digests cannot tell, the dtypes still do.
+  WaveletAdam fresh({at::randn({8, 32}, at::kDouble).requires_grad_(true),
+                     at::randn({8, 32}, at::kFloat).requires_grad_(true)},
+                    WaveletAdamOptions(0.02));
+  expect_error([&] { load_bytes(fresh, bytes); },
+               {"parameter 0 of group 0 was Float when saved but is Double here", "reordered"});
+  EXPECT_TRUE(fresh.state().empty());
+
+  WaveletAdam in_order({a2, c2}, WaveletAdamOptions(0.02));
+  load_bytes(in_order, bytes);
+  EXPECT_TRUE(state_in(in_order, a2) == state_in(saved, a));
+  EXPECT_TRUE(state_in(in_order, c2) == state_in(saved, c));
+
+  // A model converted as a whole between save and load (Module::to(kDouble)) still loads, its
+  // moments converted (README: save, convert the model, load).
+  at::Tensor a3 = a.detach().to(at::kDouble).requires_grad_(true);
+  at::Tensor c3 = c.detach().clone().requires_grad_(true);
+  WaveletAdam converted({a3, c3});
+  load_bytes(converted, bytes);
+  EXPECT_EQ(state_in(converted, a3).exp_avg().scalar_type(), at::kDouble);
+  EXPECT_TRUE(
+      at::equal(state_in(converted, a3).exp_avg(), state_in(saved, a).exp_avg().to(at::kDouble)));
+}
+
+TEST(Errors, CheckpointsWithoutFingerprintsLoadAndCountersAreChecked) {
+  // Written as before the dtype entries: it loads into the same parameters, state and counters.
+  Fixture source;
+  static_cast<WaveletAdamOptions&>(source.opt.param_groups()[0].options()).lr(0.5);
+  const std::vector<const WaveletAdamParamState*> states = {&state_in(source.opt, source.w),
+                                                            &state_in(source.opt, source.b)};
+  const auto& options = source.opt.group_options(0);
+  Fixture f;
+  load_bytes(f.opt, handwritten_checkpoint(options, {source.w, source.b}, states, 2));
+  EXPECT_EQ(f.opt.skipped_steps(), 2);
+  EXPECT_TRUE(f.opt.group_options(0) == options);
+  EXPECT_TRUE(state_in(f.opt, f.w) == *states[0]);
+  EXPECT_TRUE(state_in(f.opt, f.b) == *states[1]);
+
+  // A negative counter is rejected before anything changes.
+  Fixture g;
+  expect_error(
+      [&] {
+        load_bytes(g.opt, handwritten_checkpoint(options, {source.w, source.b}, states, -1));
+      },
+      {"skipped_steps is negative", "-1"});
+  g.expect_unchanged();
+  EXPECT_EQ(g.opt.skipped_steps(), 0);
+  EXPECT_EQ(g.opt.group_options(0).lr(), 0.01);
 }
 
 TEST(Errors, MismatchedGradientShapeIsRejected) {

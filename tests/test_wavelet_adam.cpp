@@ -277,6 +277,62 @@ TEST(WaveletAdam, GroupsKeepTheirOwnLevelAndLr) {
   EXPECT_EQ(state_of(opt, b).exp_avg().size(1), 4);
 }
 
+// Every option away from its default, so that a group that fell back to the defaults shows.
+WaveletAdamOptions custom_options() {
+  return WaveletAdamOptions(0.02)
+      .betas({0.8, 0.99})
+      .eps(1e-8)
+      .weight_decay(0.05)
+      .wavelet("db2")
+      .level(1)
+      .boundary("periodization")
+      .scale(0.25)
+      .norm_growth_limit(1.1)
+      .correct_bias(false)
+      .dim(-1)
+      .fused(false)
+      .state_dtype("bfloat16")
+      .transform("1d")
+      .threshold(1e-3)
+      .threshold_mode("hard")
+      .min_size(2);
+}
+
+TEST(WaveletAdam, GroupOptionsStickAtConstructionAndThroughAddParamGroup) {
+  // LibTorch's add_param_group (not virtual) merges a group's options into the defaults only for
+  // its own optimizers: a WaveletAdamOptions group came out as a copy of the defaults.
+  at::manual_seed(14);
+  at::Tensor a = make_param({4, 32}), b = make_param({4, 32}), c = make_param({4, 32});
+  const WaveletAdamOptions defaults = WaveletAdamOptions(0.5).level(2);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{a},
+                      std::make_unique<WaveletAdamOptions>(custom_options().lr(0.03)));
+  WaveletAdam opt(std::move(groups), defaults);
+  EXPECT_TRUE(opt.group_options(0) == custom_options().lr(0.03));
+
+  opt.add_param_group(torch::optim::OptimizerParamGroup(
+      {b}, std::make_unique<WaveletAdamOptions>(custom_options())));
+  opt.add_param_group(torch::optim::OptimizerParamGroup({c}));  // no options: the defaults
+  ASSERT_EQ(opt.param_groups().size(), 3u);
+  EXPECT_TRUE(opt.group_options(0) == custom_options().lr(0.03));
+  EXPECT_TRUE(opt.group_options(1) == custom_options());
+  EXPECT_TRUE(opt.group_options(2) == defaults);
+  // The group holds its own copy: changing the defaults later does not reach it.
+  static_cast<WaveletAdamOptions&>(opt.defaults()).level(3);
+  EXPECT_EQ(opt.group_options(2).level(), 2);
+
+  // The added group steps exactly like an optimizer built with its options alone.
+  at::Tensor b2 = b.detach().clone().requires_grad_(true);
+  WaveletAdam alone({b2}, custom_options());
+  for (int t = 0; t < 3; ++t) {
+    const at::Tensor g = at::randn({4, 32}, at::kDouble);
+    set_grad(b, g), set_grad(b2, g);
+    opt.step(), alone.step();
+  }
+  EXPECT_TRUE(at::equal(b, b2));
+  EXPECT_EQ(state_of(opt, b).exp_avg().scalar_type(), at::kBFloat16);
+}
+
 TEST(WaveletAdam, GroupWithoutOptionsTakesTheDefaults) {
   at::Tensor a = make_param({4, 32});
   WaveletAdam opt(
@@ -383,6 +439,57 @@ TEST(WaveletAdam, SaveLoadContinuesBitIdentically) {
     EXPECT_TRUE(at::equal(resumed[i], params[i])) << "param " << i;
 }
 
+TEST(WaveletAdam, LoadRejectsParametersReorderedSinceTheSave) {
+  // Two weights of one shape and dtype: shapes and positions alone cannot tell them apart; the
+  // checkpoint's digest of each parameter's bytes does, when the model's weights are loaded first.
+  at::manual_seed(14);
+  const std::vector<at::Tensor> params = {make_param({8, 40}), make_param({8, 40})};
+  WaveletAdam first(params);
+  train(first, params, 2, 300);
+  const std::string path = temp_file("reorder");
+  torch::save(first, path);
+  const std::vector<at::Tensor> same = clone_params(params);
+  WaveletAdam swapped(std::vector<at::Tensor>{same[1], same[0]}, WaveletAdamOptions(0.5));
+  try {
+    torch::load(swapped, path);
+    ADD_FAILURE() << "a checkpoint of reordered parameters loaded";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("reordered"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(swapped.state().empty());  // nothing loaded
+  EXPECT_EQ(swapped.group_options(0).lr(), 0.5);
+  WaveletAdam in_order(std::vector<at::Tensor>{same[0], same[1]}, WaveletAdamOptions(0.5));
+  torch::load(in_order, path);  // the same model in its own order loads
+  std::remove(path.c_str());
+  EXPECT_TRUE(state_of(in_order, same[1]) == state_of(first, params[1]));
+}
+
+TEST(WaveletAdam, ReferenceLimiterDoesNotDependOnTheThreadCount) {
+  // 64 x 4096 at level 2: the limiter's norm runs over 64 x 1024 approximation coefficients, more
+  // than ATen's grain size (32768), so ATen's own reduction was split between the threads and
+  // summed in another order with 1 and 2 threads. The rest of the reference step is elementwise
+  // or a product of 2-tap windows, computed the same way whatever the split.
+  const int threads = at::get_num_threads();
+  std::vector<std::vector<at::Tensor>> runs;
+  for (int n : {1, 2}) {
+    at::set_num_threads(n);
+    at::manual_seed(15);
+    at::Tensor p = make_param({64, 4096});
+    WaveletAdam opt({p}, WaveletAdamOptions(0.01).fused(false));
+    std::vector<at::Tensor> run;
+    for (int t = 0; t < 3; ++t) {
+      set_grad(p, at::randn({64, 4096}, at::kDouble) * (1 + 4 * t));
+      opt.step();
+      run.push_back(state_of(opt, p).norm().clone());
+    }
+    run.push_back(p.detach().clone());
+    runs.push_back(std::move(run));
+  }
+  at::set_num_threads(threads);
+  for (size_t i = 0; i < runs[0].size(); ++i)
+    EXPECT_TRUE(at::equal(runs[0][i], runs[1][i])) << "tensor " << i;
+}
+
 TEST(WaveletAdam, StateBytesReportsAQuarterAtTwoLevels) {
   at::Tensor w = make_param({512, 512}, at::kFloat), b = make_param({512}, at::kFloat);
   WaveletAdam opt({w, b}, WaveletAdamOptions().level(2));
@@ -409,6 +516,63 @@ TEST(WaveletAdam, HalfPrecisionParamsKeepFloatMoments) {
     EXPECT_EQ(low.scalar_type(), dtype);
     EXPECT_EQ(state_of(opt_low, low).exp_avg().scalar_type(), at::kFloat);
     EXPECT_TRUE(at::equal(low, full.detach().to(dtype)));
+  }
+}
+
+TEST(WaveletAdam, FusedReadsTheFloat32GradientOfALowPrecisionParamAsTheReferenceDoes) {
+  // Each gradient is 1 + k/128 + 2^-12 (k in [0, 128)): 1 + k/128 is exact in bfloat16 and float16,
+  // and 2^-12 is below half their ulp in [1, 2), so rounding the gradient to the parameter's type
+  // (what the fused path did) lowers every value by exactly 2^-12, and the approximation
+  // coefficients by a relative 2^-12 * sum(h) / (2 * sum|h|) >= 1e-4 (haar: 1.2e-4, db2: 1e-4).
+  // Both paths read it as float32 now, and differ only by float32 rounding: every gradient is
+  // positive in [1, 2), so each approximation coefficient is a sum of same-sign terms (haar) or
+  // one with condition number below 2.6 (db2: one small negative tap, -0.13 against 1.54), a few
+  // float32 roundings (u = 6e-8) apart: relative differences below 40u = 2.4e-6 in m and twice
+  // that in v = A^2. The bounds 1e-5 (m) and 2e-5 (v) hold by construction and are 10x below the
+  // rounding defect. The parameters are roundings to the low-precision type of float32 results
+  // 1e-6 * lr apart, so they differ by at most one ulp of the parameter (<= 2^-7 |p| in bfloat16,
+  // 2^-10 |p| in float16).
+  at::manual_seed(16);
+  struct Case {
+    const char* wavelet;
+    const char* boundary;
+    int64_t level;
+  };
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const Case& c : {Case{"haar", "zero", 2}, Case{"db2", "periodization", 1}}) {
+      SCOPED_TRACE(std::string(c.wavelet) + (dtype == at::kHalf ? " float16" : " bfloat16"));
+      const at::Tensor start = 1 + at::randint(0, 128, {8, 64}, at::kFloat) / 128;  // exact
+      const at::Tensor g =
+          1 + at::randint(0, 128, {8, 64}, at::kFloat) / 128 + std::ldexp(1.0, -12);
+      ASSERT_FALSE(at::equal(g.to(dtype).to(at::kFloat), g));
+      std::vector<at::Tensor> params;
+      std::vector<std::unique_ptr<WaveletAdam>> opts;
+      for (bool fused : {true, false}) {
+        params.push_back(start.to(dtype).requires_grad_(true));
+        params.back().mutable_grad() = g.clone();  // float32, as autocast or a user may leave it
+        opts.push_back(std::make_unique<WaveletAdam>(std::vector<at::Tensor>{params.back()},
+                                                     WaveletAdamOptions(0.01)
+                                                         .wavelet(c.wavelet)
+                                                         .boundary(c.boundary)
+                                                         .level(c.level)
+                                                         .fused(fused)));
+        EXPECT_EQ(opts.back()->is_fused_param(params.back()), fused);
+        opts.back()->step();
+      }
+      const auto& fused = state_of(*opts[0], params[0]);
+      const auto& reference = state_of(*opts[1], params[1]);
+      auto max_rel = [](const at::Tensor& a, const at::Tensor& b) {
+        return ((a - b).abs() / b.abs()).max().item<double>();
+      };
+      EXPECT_LE(max_rel(fused.exp_avg(), reference.exp_avg()), 1e-5);
+      EXPECT_LE(max_rel(fused.exp_avg_sq(), reference.exp_avg_sq()), 2e-5);
+      EXPECT_LE(max_rel(fused.norm(), reference.norm()), 1e-5);
+      const double ulp = dtype == at::kBFloat16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+      const at::Tensor pf = params[0].detach().to(at::kFloat),
+                       pr = params[1].detach().to(at::kFloat);
+      EXPECT_TRUE(((pf - pr).abs() <= ulp * pr.abs()).all().item<bool>());
+      EXPECT_FALSE(at::equal(pr, start.to(dtype).to(at::kFloat)));  // the step moved them
+    }
   }
 }
 

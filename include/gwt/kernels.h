@@ -33,7 +33,7 @@ enum class ScalarKind : int8_t { f32, f64, f16, bf16 };
 /// 22 bytes per fp32 parameter at level 2 (4 + 2 + 4 + 4 + 8), against Adam's 28.
 struct HaarAdamArgs {
   void* param = nullptr;       ///< [rows, n], param_kind
-  const void* grad = nullptr;  ///< [rows, n], param_kind
+  const void* grad = nullptr;  ///< [rows, n], param_kind (float32 when grad_f32)
   void* exp_avg = nullptr;     ///< [rows, approx_len], state_kind
   void* exp_avg_sq = nullptr;  ///< [rows, approx_len], state_kind
   ScalarKind param_kind = ScalarKind::f32;
@@ -50,6 +50,11 @@ struct HaarAdamArgs {
   /// approximation sum * 2^(-level), state [rows / height, ceil(height / 2^level), approx_len].
   bool two_d = false;
   int64_t height = 1;
+  /// The gradient is float32 although the parameter is float16/bfloat16: the reference reads a
+  /// gradient in the float32 math type, so one of another type than its parameter is converted to
+  /// float32, never rounded to the parameter's type. Read by the CPU bodies only: the CUDA bodies
+  /// read the gradient as param_kind, and the caller gives them no such gradient.
+  bool grad_f32 = false;
 };
 
 /// CPU norm pass; at::parallel_for over fixed tiles, so the sum does not depend on the number of

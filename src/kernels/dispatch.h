@@ -11,6 +11,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <type_traits>
+
 #include "gwt/kernels.h"
 
 namespace gwt {
@@ -18,11 +20,12 @@ namespace kernels {
 namespace {
 
 /// The types one kernel instance works in.
-template <typename P, typename S, typename Acc>
+template <typename P, typename S, typename Acc, typename G = P>
 struct Types {
-  using param_t = P;  // parameters and gradients
+  using param_t = P;  // parameters (and gradients, unless grad_t says otherwise)
   using state_t = S;  // moments
   using acc_t = Acc;  // math: double for float64 parameters, float otherwise
+  using grad_t = G;   // gradients: P, or float for a float16/bfloat16 parameter (grad_f32)
 };
 
 /// Calls fn(Types<P, S, Acc>{}) for the argument's kinds and returns what it returns.
@@ -50,6 +53,21 @@ auto with_types(const HaarAdamArgs& args, Fn&& fn) {
     default:
       return with_state_types<float>(args, fn);
   }
+}
+
+/// As with_types, with the gradient's type as well: Types::grad_t is float when args.grad_f32 (the
+/// float32 gradient of a float16/bfloat16 parameter), the parameter's type otherwise. The CPU
+/// bodies dispatch here.
+template <typename Fn>
+auto with_grad_types(const HaarAdamArgs& args, Fn&& fn) {
+  return with_types(args, [&](auto types) {
+    using T = decltype(types);
+    using P = typename T::param_t;
+    if constexpr (std::is_same_v<P, c10::Half> || std::is_same_v<P, c10::BFloat16>) {
+      if (args.grad_f32) return fn(Types<P, typename T::state_t, typename T::acc_t, float>{});
+    }
+    return fn(types);
+  });
 }
 
 /// Adam's moments of one coefficient after this step, in the math type and rounded to S as they

@@ -28,6 +28,8 @@ void check(const HaarAdamArgs& args) {
   TORCH_INTERNAL_ASSERT(args.level >= 1 && args.level <= 30 && args.n >= 1 && args.rows >= 0);
   TORCH_INTERNAL_ASSERT(args.approx_len == (args.n + (int64_t{1} << args.level) - 1) >> args.level);
   TORCH_INTERNAL_ASSERT(!args.two_d || (args.height >= 1 && args.rows % args.height == 0));
+  TORCH_INTERNAL_ASSERT(!args.grad_f32 || args.param_kind == ScalarKind::f16 ||
+                        args.param_kind == ScalarKind::bf16);
 }
 }  // namespace
 

@@ -32,15 +32,17 @@ namespace GWT_KERNEL_NS {
 // fixed in size so that the summation order never depends on the number of threads.
 constexpr int64_t k_tile = 512;
 
-// P: parameter/gradient type, S: moment type, Acc: math type, B: block size 2^level (0: runtime).
-template <typename P, typename S, typename Acc, int B>
+// P: parameter type, G: gradient type (P, or float for a float16/bfloat16 parameter), S: moment
+// type, Acc: math type, B: block size 2^level (0: runtime).
+template <typename P, typename G, typename S, typename Acc, int B>
 class HaarAdam {
  public:
   using acc_t = Acc;
 #ifdef GWT_HAAR_SIMD
-  // float parameters and moments at level 1..3 take the AVX2 loops (haar_simd_avx2.h).
-  static constexpr bool k_simd = std::is_same_v<P, float> && std::is_same_v<S, float> &&
-                                 std::is_same_v<Acc, float> && (B == 2 || B == 4 || B == 8);
+  // float parameters, gradients and moments at level 1..3 take the AVX2 loops (haar_simd_avx2.h).
+  static constexpr bool k_simd = std::is_same_v<P, float> && std::is_same_v<G, float> &&
+                                 std::is_same_v<S, float> && std::is_same_v<Acc, float> &&
+                                 (B == 2 || B == 4 || B == 8);
 #else
   static constexpr bool k_simd = false;
 #endif
@@ -107,13 +109,13 @@ class HaarAdam {
   // approx[j] = (sum of block first + j) * 2^(-L/2) for j in [from, count), zeros past n
   // (PyWavelets' zero mode).
   void block_sums(const Tile& tl, int64_t from, Acc* approx) const {
-    const P* g = static_cast<const P*>(a_.grad) + tl.element_row * a_.n;
+    const G* g = static_cast<const G*>(a_.grad) + tl.element_row * a_.n;
     const int64_t bs = block_;
     const int64_t full = full_blocks(tl);
     for (int64_t j = from; j < full; ++j) {
       Acc sum = 0;
       for (int64_t r = 0; r < tl.height; ++r) {
-        const P* src = g + r * a_.n + (tl.first + j) * bs;
+        const G* src = g + r * a_.n + (tl.first + j) * bs;
         for (int64_t q = 0; q < (B > 0 ? B : bs); ++q) sum += static_cast<Acc>(src[q]);
       }
       approx[j] = sum * approx_scale_;
@@ -171,7 +173,7 @@ class HaarAdam {
     S* m = static_cast<S*>(a_.exp_avg) + tl.row * a_.approx_len + tl.first;
     S* v = static_cast<S*>(a_.exp_avg_sq) + tl.row * a_.approx_len + tl.first;
     const Acc eps = static_cast<Acc>(a_.eps), step = static_cast<Acc>(a_.step_size);
-    const P* g = static_cast<const P*>(a_.grad) + tl.element_row * a_.n + tl.first * block_;
+    const G* g = static_cast<const G*>(a_.grad) + tl.element_row * a_.n + tl.first * block_;
     P* p = static_cast<P*>(a_.param) + tl.element_row * a_.n + tl.first * block_;
     const Acc keep = static_cast<Acc>(-a_.decay);
 #ifdef GWT_HAAR_SIMD
@@ -197,7 +199,7 @@ class HaarAdam {
     const int64_t bs = block_;
     const int64_t elements = std::min(tl.count * bs, a_.n - tl.first * bs);
     for (int64_t r = 0; r < tl.height; ++r) {
-      const P* g_row = g + r * a_.n;
+      const G* g_row = g + r * a_.n;
       P* p_row = p + r * a_.n;
       if (elements == tl.count * bs) {
         for (int64_t j = from; j < tl.count; ++j) {
@@ -229,26 +231,27 @@ class HaarAdam {
 };
 
 // Calls fn(kernel) with the HaarAdam instance for the argument's types and level.
-template <typename P, typename S, typename Acc, typename Fn>
+template <typename P, typename G, typename S, typename Acc, typename Fn>
 auto with_level(const HaarAdamArgs& args, Fn&& fn) {
   switch (args.level) {
     case 1:
-      return fn(HaarAdam<P, S, Acc, 2>(args));
+      return fn(HaarAdam<P, G, S, Acc, 2>(args));
     case 2:
-      return fn(HaarAdam<P, S, Acc, 4>(args));
+      return fn(HaarAdam<P, G, S, Acc, 4>(args));
     case 3:
-      return fn(HaarAdam<P, S, Acc, 8>(args));
+      return fn(HaarAdam<P, G, S, Acc, 8>(args));
     default:
-      return fn(HaarAdam<P, S, Acc, 0>(args));
+      return fn(HaarAdam<P, G, S, Acc, 0>(args));
   }
 }
 
 // Calls fn(kernel) with the HaarAdam instance for the argument's types and level.
 template <typename Fn>
 auto with_kernel(const HaarAdamArgs& args, Fn&& fn) {
-  return with_types(args, [&](auto types) {
+  return with_grad_types(args, [&](auto types) {
     using T = decltype(types);
-    return with_level<typename T::param_t, typename T::state_t, typename T::acc_t>(args, fn);
+    return with_level<typename T::param_t, typename T::grad_t, typename T::state_t,
+                      typename T::acc_t>(args, fn);
   });
 }
 

@@ -30,7 +30,9 @@ namespace kernels {
 namespace GWT_KERNEL_NS {
 namespace {  // internal linkage, as the row bodies it holds (wavelet_row.h)
 
-template <typename P, typename S, typename Acc>
+// P: parameter type, G: gradient type (P, or float for a float16/bfloat16 parameter), S: moment
+// type, Acc: math type.
+template <typename P, typename G, typename S, typename Acc>
 class GeneralAdam {
  public:
   using acc_t = Acc;
@@ -204,7 +206,7 @@ class GeneralAdam {
 
   // The DWT cascade of row r's gradient into w ([A_L | D_L | ... | D_1]).
   void row_dwt(int64_t r, Acc* x, Acc* y, Acc* w) const {
-    const P* g = static_cast<const P*>(a_.grad) + r * a_.n;
+    const G* g = static_cast<const G*>(a_.grad) + r * a_.n;
     for (int64_t i = 0; i < a_.n; ++i) x[i] = static_cast<Acc>(g[i]);
     for (int64_t l = 1; l <= a_.level; ++l) {
       Acc* approx = l == a_.level ? w : y;
@@ -303,9 +305,12 @@ template <typename Fn>
 auto with_kernel(const WaveletAdamArgs& args, Fn&& fn) {
   TORCH_INTERNAL_ASSERT(args.level >= 1 && args.n >= 1 && args.filter_length >= 2 &&
                         args.filter_length % 2 == 0);
-  return with_types(args, [&](auto types) {
+  TORCH_INTERNAL_ASSERT(!args.grad_f32 || args.param_kind == ScalarKind::f16 ||
+                        args.param_kind == ScalarKind::bf16);
+  return with_grad_types(args, [&](auto types) {
     using T = decltype(types);
-    return fn(GeneralAdam<typename T::param_t, typename T::state_t, typename T::acc_t>(args));
+    return fn(GeneralAdam<typename T::param_t, typename T::grad_t, typename T::state_t,
+                          typename T::acc_t>(args));
   });
 }
 

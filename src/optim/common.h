@@ -45,12 +45,18 @@ inline at::ScalarType compute_dtype(const at::Tensor& param) {
   return param.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+/// Whether the kernels (and so the optimizers) read and write this dtype.
+inline bool is_supported_param_dtype(at::ScalarType t) {
+  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
 inline void check_param(const char* who, const at::Tensor& param) {
   TORCH_CHECK(param.defined(), who, ": got an undefined parameter tensor");
-  TORCH_CHECK(param.is_floating_point(), who,
+  // float8 and the other narrow floating types pass is_floating_point() but have no kernel type.
+  TORCH_CHECK(is_supported_param_dtype(param.scalar_type()), who,
               ": parameters must be float64, float32, float16 or bfloat16, got a ",
               param.scalar_type(), " parameter of shape ", param.sizes(),
-              " (integer, bool and complex parameters are not supported)");
+              " (integer, bool, complex and float8 parameters are not supported)");
   TORCH_CHECK(param.layout() == at::kStrided, who,
               ": parameters must be dense (strided) tensors, got layout ", param.layout());
 }

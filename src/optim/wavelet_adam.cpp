@@ -1,13 +1,16 @@
 #include "gwt/optim/wavelet_adam.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "common.h"
 #include "gwt/kernels.h"
@@ -24,6 +27,8 @@ namespace gwt {
 namespace wavelet_adam_detail {
 
 at::ScalarType state_dtype(const at::Tensor& param, const WaveletAdamOptions& o) {
+  TORCH_INTERNAL_ASSERT(o.state_dtype() == "auto" || o.state_dtype() == "bfloat16", "state_dtype '",
+                        o.state_dtype(), "' was not validated");
   return o.state_dtype() == "bfloat16" ? at::kBFloat16 : optim_detail::compute_dtype(param);
 }
 
@@ -85,6 +90,10 @@ void check_param(const at::Tensor& param) {
   optim_detail::check_param("gwt::WaveletAdam", param);
 }
 
+const WaveletAdamOptions& options_of_defaults(const torch::optim::Optimizer& optimizer) {
+  return static_cast<const WaveletAdamOptions&>(optimizer.defaults());
+}
+
 // Which implementation computes a parameter's step.
 enum class Path { reference, haar, general };
 
@@ -93,7 +102,7 @@ struct Work {
   const WaveletAdamOptions* options;
   Plan plan;
   Path path = Path::reference;
-  at::Tensor grad;                                     // fused: contiguous, in the param's dtype
+  at::Tensor grad;  // fused: contiguous, in the param's dtype or (low precision) float32
   std::shared_ptr<const Wavelet> wavelet;              // general kernel: the filters
   WaveletAdamParamState* state = nullptr;              // existing state, or fresh_state
   std::unique_ptr<WaveletAdamParamState> fresh_state;  // committed only if the step is taken
@@ -107,6 +116,38 @@ void apply_weight_decay(at::Tensor& param, const WaveletAdamOptions& o) {
 
 double step_size_of(const WaveletAdamOptions& o, int64_t step) {
   return optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), step);
+}
+
+template <typename T>
+double sum_of_squares_in_fixed_chunks(const T* data, int64_t n) {
+  constexpr int64_t chunk = 4096;
+  std::vector<double> partial(static_cast<size_t>((n + chunk - 1) / chunk), 0.0);
+  at::parallel_for(0, static_cast<int64_t>(partial.size()), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      double sum = 0;
+      for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); ++i)
+        sum += static_cast<double>(data[i]) * static_cast<double>(data[i]);
+      partial[c] = sum;
+    }
+  });
+  double sum = 0;
+  for (double p : partial) sum += p;
+  return sum;
+}
+
+// ||x||_F for the limiter (0-dim, x's dtype), summed in an order that does not depend on the
+// number of threads (ATen's reduction splits between threads): on the CPU in fixed chunks, each
+// summed in double in order and the partials in order, as the fused norm passes sum fixed tiles
+// (kernels.h); on a GPU by ATen, whose reduction order is fixed for a given shape and device and
+// which keeps the step free of host synchronisation.
+at::Tensor limiter_norm(const at::Tensor& x) {
+  if (!x.device().is_cpu()) return x.norm();
+  const at::Tensor values = x.contiguous();
+  TORCH_INTERNAL_ASSERT(values.scalar_type() == at::kFloat || values.scalar_type() == at::kDouble);
+  const double sum = values.scalar_type() == at::kDouble
+                         ? sum_of_squares_in_fixed_chunks(values.data_ptr<double>(), values.numel())
+                         : sum_of_squares_in_fixed_chunks(values.data_ptr<float>(), values.numel());
+  return at::scalar_tensor(std::sqrt(sum), x.options());
 }
 
 // The reference update for one parameter, in readable ATen ops (SPEC 1.1 / 1.2). The fused kernels
@@ -163,7 +204,7 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
     // 0-dim tensor so the step never waits for the device.
     at::Tensor limit;  // undefined = 1
     if (o.norm_growth_limit() > 0) {
-      const at::Tensor norm = normalized.norm();
+      const at::Tensor norm = limiter_norm(normalized);
       if (!state.norm().defined()) {
         state.norm(norm);
       } else {
@@ -266,6 +307,7 @@ kernels::HaarAdamArgs haar_args(const Work& work, double step_size) {
   args.param_kind = kind_of(work.param.scalar_type());
   args.state_kind = kind_of(state.exp_avg().scalar_type());
   args.math_f64 = compute_dtype(work.param) == at::kDouble;
+  args.grad_f32 = work.grad.scalar_type() != work.param.scalar_type();
   args.n = work.param.size(-1);
   args.rows = work.param.numel() / args.n;
   args.two_d = work.plan.two_d;
@@ -298,7 +340,13 @@ kernels::WaveletAdamArgs general_args(const Work& work, double step_size) {
 void fused_norm_pass(Work& work) {
   c10::OptionalDeviceGuard device;  // kernels launch on the current device: the parameter's
   if (work.param.is_cuda()) device.reset_device(work.param.device());
-  work.grad = work.param.grad().to(work.param.scalar_type()).contiguous();
+  // The gradient as the reference reads it: in the parameter's type when it has that type, else
+  // converted to the math type. A float32 gradient of a bfloat16 parameter stays float32 (never
+  // rounded to bfloat16), and the kernels read it as such (HaarAdamArgs::grad_f32).
+  const at::Tensor& grad = work.param.grad();
+  work.grad = grad.to(grad.scalar_type() == work.param.scalar_type() ? grad.scalar_type()
+                                                                     : compute_dtype(work.param))
+                  .contiguous();
   const auto acc = work.param.options().dtype(compute_dtype(work.param));
   if (work.path == Path::general) {
     work.wavelet = std::make_shared<const Wavelet>(work.options->wavelet());
@@ -399,29 +447,45 @@ void update_param(const Work& work) {
 // WaveletAdam
 // ----------------------------------------------------------------------------------------------
 
+// The groups go through our add_param_group, not LibTorch's (which would merge their options
+// into the defaults field by field only for LibTorch's own optimizers).
 WaveletAdam::WaveletAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                          WaveletAdamOptions defaults)
-    : Optimizer(param_groups, std::make_unique<WaveletAdamOptions>(defaults)) {
+    : Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                std::make_unique<WaveletAdamOptions>(defaults)) {
   validate_options(defaults);
-  std::unordered_set<const void*> seen;
-  for (const auto i : c10::irange(param_groups.size())) {
-    // add_param_group may have replaced a custom group's options with the defaults: restore them.
-    if (param_groups[i].has_options()) {
-      const auto* given = dynamic_cast<const WaveletAdamOptions*>(&param_groups[i].options());
-      TORCH_CHECK(given != nullptr, "gwt::WaveletAdam: parameter group ", i,
-                  " has options of another optimizer; give it gwt::WaveletAdamOptions");
-      this->param_groups()[i].set_options(std::make_unique<WaveletAdamOptions>(*given));
-    }
-    const auto& options = options_of(this->param_groups()[i]);
-    validate_options(options);
-    for (const auto& param : this->param_groups()[i].params()) {
-      check_param(param);
-      TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second,
-                  "gwt::WaveletAdam: a parameter of shape ", param.sizes(),
-                  " appears more than once (each parameter may be in one group once)");
-      plan_for(param, options);  // checks dim against the parameter's rank
-    }
+  for (const auto& group : param_groups) add_param_group(group);
+}
+
+void WaveletAdam::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  const size_t index = param_groups_.size();
+  std::unique_ptr<WaveletAdamOptions> options;
+  if (param_group.has_options()) {
+    const auto* given = dynamic_cast<const WaveletAdamOptions*>(&param_group.options());
+    TORCH_CHECK(given != nullptr, "gwt::WaveletAdam: parameter group ", index,
+                " has options of another optimizer; give it gwt::WaveletAdamOptions");
+    options = std::make_unique<WaveletAdamOptions>(*given);
+  } else {
+    options = std::make_unique<WaveletAdamOptions>(options_of_defaults(*this));
   }
+  validate_options(*options);
+  std::unordered_set<const void*> seen;
+  for (const auto& group : param_groups_)
+    for (const auto& param : group.params()) seen.insert(param.unsafeGetTensorImpl());
+  for (const auto& param : param_group.params()) {
+    check_param(param);
+    TORCH_CHECK(param.is_leaf(), "gwt::WaveletAdam: parameter group ", index,
+                " holds a non-leaf tensor of shape ", param.sizes(),
+                "; optimize leaf tensors (e.g. detach().requires_grad_())");
+    TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second,
+                "gwt::WaveletAdam: a parameter of shape ", param.sizes(),
+                " appears more than once (each parameter may be in one group once)");
+    plan_for(param, *options);  // checks dim against the parameter's rank
+  }
+  // Everything checked: commit.
+  torch::optim::OptimizerParamGroup group(param_group.params());
+  group.set_options(std::move(options));
+  param_groups_.push_back(std::move(group));
 }
 
 WaveletAdam::WaveletAdam(std::vector<at::Tensor> params, WaveletAdamOptions defaults)
@@ -476,6 +540,12 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       w.param = param;
       w.options = &options;
       w.path = path_for(param, options, plan);
+      // The CUDA bodies read a gradient in its parameter's type: a float16/bfloat16 parameter with
+      // a gradient of another type takes the reference there, which reads it in float32 (the CPU
+      // bodies read such a gradient as float32 themselves: HaarAdamArgs::grad_f32).
+      if (w.path != Path::reference && param.is_cuda() &&
+          grad.scalar_type() != param.scalar_type() && compute_dtype(param) != param.scalar_type())
+        w.path = Path::reference;
       w.plan = std::move(plan);
       if (it != state_.end()) w.state = static_cast<WaveletAdamParamState*>(it->second.get());
       work.push_back(std::move(w));

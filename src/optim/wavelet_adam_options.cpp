@@ -5,6 +5,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -86,6 +87,15 @@ void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
 
 void validate_options(const WaveletAdamOptions& o) {
   auto finite = [](double x) { return std::isfinite(x); };
+  // eps keeps m / (sqrt(v) + eps) defined where a block's gradients were all zero (m = v = 0):
+  // with eps = 0 that is 0 / 0, which the fused norm pass would report as a non-finite gradient
+  // on every step, and the reference would write into the parameter as NaN. The math runs in
+  // float32 for all but float64 parameters, so eps must survive the cast: at least the smallest
+  // normal float32 (denormals may be flushed to zero).
+  constexpr double min_eps = std::numeric_limits<float>::min();
+  TORCH_CHECK(finite(o.eps()) && o.eps() >= min_eps, "gwt::WaveletAdam: invalid eps ", o.eps(),
+              "; it must be finite and >= ", min_eps,
+              " (the smallest normal float32; with eps = 0 a block of zero gradients makes 0 / 0)");
   optim_detail::check_adam_options("gwt::WaveletAdam", o.lr(), o.betas(), o.eps(),
                                    o.weight_decay());
   TORCH_CHECK(o.level() >= 0 && o.level() <= 30, "gwt::WaveletAdam: invalid level ", o.level(),
@@ -104,6 +114,10 @@ void validate_options(const WaveletAdamOptions& o) {
               "'; valid values are soft, hard");
   TORCH_CHECK(o.min_size() >= 0, "gwt::WaveletAdam: invalid min_size ", o.min_size(),
               "; it must be >= 0");
+  // Any other name ("bf16", "float32", ...) would silently mean the "auto" moments.
+  TORCH_CHECK(o.state_dtype() == "auto" || o.state_dtype() == "bfloat16",
+              "gwt::WaveletAdam: invalid state_dtype '", o.state_dtype(),
+              "'; valid values are auto, bfloat16");
   Wavelet(o.wavelet());                     // throws listing the valid names
   boundary_mode_from_string(o.boundary());  // throws listing the valid modes
 }

@@ -21,6 +21,26 @@ c10::IValue read_value(torch::serialize::InputArchive& archive, const std::strin
   return optim_detail::read_value(archive, key, what, "gwt::WaveletAdam");
 }
 constexpr const char* k_format = "gwt.WaveletAdam.v1";
+
+// What a checkpoint's state must hold before it is used, checked in the dtypes the optimizer will
+// use (a finite float64 value may overflow float32): moments of a floating type, finite, second
+// moments >= 0, and a limiter norm that is finite and >= 0 (check_state has the shapes and the
+// step count).
+void check_loaded_values(const WaveletAdamParamState& state, const at::Tensor& param) {
+  auto fail = [&](const char* name, const char* problem) {
+    TORCH_CHECK(false, "gwt::WaveletAdam::load: the checkpoint's ", name,
+                " for the parameter of shape ", param.sizes(), " ", problem,
+                "; the checkpoint is corrupt (or from a diverged run)");
+  };
+  auto check = [&](const at::Tensor& t, const char* name, bool non_negative) {
+    if (!t.defined()) return;
+    if (!at::isfinite(t).all().item<bool>()) fail(name, "holds a NaN or an infinity");
+    if (non_negative && (t < 0).any().item<bool>()) fail(name, "holds a negative value");
+  };
+  check(state.exp_avg(), "exp_avg", false);
+  check(state.exp_avg_sq(), "exp_avg_sq (second moment, >= 0)", true);
+  check(state.norm(), "limiter norm (>= 0)", true);
+}
 }  // namespace
 
 void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -57,16 +77,27 @@ bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& r
 void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
   optim_detail::save_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
       *this, archive, k_format, {{"skipped_steps", skipped_steps_}});
+  optim_detail::save_param_digests(*this, archive);
 }
 
 void WaveletAdam::load(torch::serialize::InputArchive& archive) {
   using wavelet_adam_detail::check_state;
   using wavelet_adam_detail::plan_for;
   using wavelet_adam_detail::state_dtype;
+  // Parameters reordered (or moved between groups) since the save, seen by their bytes; only for
+  // our own format (load_checkpoint reports any other).
+  c10::IValue format;
+  if (archive.try_read("format", format) && format.isString() && format.toStringRef() == k_format)
+    optim_detail::check_param_digests(*this, archive, "gwt::WaveletAdam");
   const auto counters = optim_detail::load_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
       *this, archive, k_format, {"skipped_steps"}, "gwt::WaveletAdam",
       [](WaveletAdamParamState& state, const at::Tensor& param, const WaveletAdamOptions& options) {
         check_state(state, param, plan_for(param, options));
+        for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq(), &state.norm()})
+          TORCH_CHECK(!t->defined() || t->is_floating_point(),
+                      "gwt::WaveletAdam::load: the checkpoint's state for the parameter of shape ",
+                      param.sizes(), " holds a ", t->scalar_type(),
+                      " tensor (moments and limiter norm are floating point)");
         const auto moments = param.options().dtype(state_dtype(param, options));
         state.exp_avg(state.exp_avg().to(moments).contiguous());
         state.exp_avg_sq(state.exp_avg_sq().to(moments).contiguous());
@@ -74,6 +105,7 @@ void WaveletAdam::load(torch::serialize::InputArchive& archive) {
           state.norm(state.norm()
                          .to(param.options().dtype(optim_detail::compute_dtype(param)))
                          .reshape({}));
+        check_loaded_values(state, param);
       });
   skipped_steps_ = counters.at("skipped_steps");
 }

@@ -28,7 +28,8 @@ struct WaveletAdamOptions : public torch::optim::OptimizerCloneableOptions<Wavel
   using betas_t = std::tuple<double, double>;
   /// Moment decay rates, each in [0, 1).
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  /// Added to sqrt(v) (inside, not bias-corrected), finite and >= 0.
+  /// Added to sqrt(v) (inside, not bias-corrected), finite and at least the smallest normal float32
+  /// (about 1.2e-38): with 0, a block of zero gradients would make 0 / 0.
   TORCH_ARG(double, eps) = 1e-6;
   /// Decoupled weight decay, applied after the update as p -= lr * weight_decay * p.
   TORCH_ARG(double, weight_decay) = 0;
@@ -98,9 +99,9 @@ struct WaveletAdamParamState
 
 /// Drop-in replacement for torch::optim::Adam / AdamW (see SPEC 1.1 for the exact rule).
 ///
-/// - Each group's options are used exactly as given (LibTorch's add_param_group would replace a
-///   custom optimizer's options with the defaults; the constructor restores them). A group without
-///   options takes the defaults.
+/// - Each group's options are used exactly as given, by the constructor and by add_param_group
+///   (LibTorch's own add_param_group would replace a custom optimizer's options with the
+///   defaults). A group without options takes the defaults.
 /// - A step whose gradients hold a NaN or an infinity is skipped as a whole: no parameter or state
 ///   changes, and skipped_steps() counts it (as AMP's GradScaler does).
 /// - Errors a caller can cause (bad options, sparse or mis-shaped gradients, ...) are thrown before
@@ -110,6 +111,14 @@ class WaveletAdam : public torch::optim::Optimizer {
   explicit WaveletAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                        WaveletAdamOptions defaults = {});
   explicit WaveletAdam(std::vector<at::Tensor> params, WaveletAdamOptions defaults = {});
+
+  /// Appends a group after checking all of it (nothing changes when this throws): its own options
+  /// (a gwt::WaveletAdamOptions, validated) or, without options, a copy of the defaults; every
+  /// parameter a supported leaf tensor that is in no group yet. Hides
+  /// torch::optim::Optimizer::add_param_group, which is not virtual: called through a
+  /// torch::optim::Optimizer&, LibTorch's version runs and replaces the group's options with the
+  /// defaults.
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
 
   at::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
