@@ -11,6 +11,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "gwt/kernels.h"
@@ -18,6 +20,22 @@
 namespace gwt {
 namespace kernels {
 namespace {
+
+/// Whether the CPU entries run the AVX2/FMA builds of the kernel bodies: the CPU has both, and the
+/// environment does not say GWT_NO_AVX2 (set and not "0"), which forces the baseline build, e.g.
+/// to test it on a machine with AVX2 (scripts/cpu_matrix.sh). Read once per process.
+inline bool avx2_kernels_enabled() {
+  static const bool enabled = [] {
+#if defined(__x86_64__) || defined(_M_X64)
+    const char* off = std::getenv("GWT_NO_AVX2");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           !(off != nullptr && *off != '\0' && std::string(off) != "0");
+#else
+    return false;
+#endif
+  }();
+  return enabled;
+}
 
 /// The types one kernel instance works in.
 template <typename P, typename S, typename Acc, typename G = P>

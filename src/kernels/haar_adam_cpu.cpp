@@ -14,7 +14,7 @@ void haar_adam_update_entry(const HaarAdamArgs& args, double lim);
 bool all_finite_entry(const void* data, int64_t n, ScalarKind kind);
 }  // namespace avx2
 namespace {
-const bool k_has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+const bool k_has_avx2 = avx2_kernels_enabled();  // CPU support, unless GWT_NO_AVX2
 }  // namespace
 #define GWT_DISPATCH(baseline_call, avx2_call) \
   if (k_has_avx2) return avx2_call;            \

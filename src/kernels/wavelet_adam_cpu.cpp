@@ -13,7 +13,7 @@ double wavelet_adam_norm_sq_entry(const WaveletAdamArgs& args);
 void wavelet_adam_update_entry(const WaveletAdamArgs& args, double lim);
 }  // namespace avx2
 namespace {
-const bool k_general_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+const bool k_general_avx2 = avx2_kernels_enabled();  // CPU support, unless GWT_NO_AVX2
 }  // namespace
 #endif
 
