@@ -3,7 +3,10 @@
 // measured in the same run. Needs only LibTorch (no GoogleTest, no Google Benchmark), so it runs
 // on a machine with a GPU, nvcc and python3's torch but no network (benchmarks/gpu_check.sh).
 //
-//   gpu_check [--device cuda|cpu] [--json out.json] [--steps N]
+//   gpu_check [--device cuda|cpu] [--json out.json] [--steps N] [--checks-only]
+//
+// --checks-only skips the timing (benchmarks/gpu_check.sh runs the checks so under
+// compute-sanitizer when GoogleTest's sources are not there).
 //
 // Exit status: 0 when every correctness check passed, 1 otherwise, 2 for bad arguments or no
 // device. Times go to the JSON in Google Benchmark's format for scripts/bench_table.py.
@@ -12,6 +15,7 @@
 #include <torch/cuda.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/serialize.h>
 
 #include <chrono>
 #include <cmath>
@@ -20,6 +24,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -98,6 +103,63 @@ bool check_case(const std::string& wavelet, at::ScalarType dtype, int64_t level,
               static_cast<long long>(level), c10::str(at::IntArrayRef(shape)).c_str(),
               transpose_grad ? "(grad transposed)" : "", worst,
               fused ? "" : " (not on the fused path!)");
+  return ok;
+}
+
+// The device has an image of the kernels (or PTX for them): else every fused step would take the
+// reference path (kernels::cuda_kernels_run_on), and the checks above would fail as not fused.
+bool check_kernel_image() {
+  const int index =
+      g_device.is_cuda() ? static_cast<int>(g_device.index() < 0 ? 0 : g_device.index()) : 0;
+  const bool ok = !g_device.is_cuda() || gwt::kernels::cuda_kernels_run_on(index);
+  std::printf("%s check kernel image for device %d%s\n", ok ? "PASS" : "FAIL", index,
+              g_device.is_cuda() ? "" : " (cpu: not asked)");
+  return ok;
+}
+
+// The norm pass with many blocks (float32 [2048, 1024]: 2048 blocks in the Haar kernel at level
+// 2, one per row in the general kernel) while the limiter acts: two runs and a run saved and
+// loaded after 3 steps must give the same bits. The old norm pass (float atomicAdd of the block
+// sums, in whatever order the blocks finished) differed from run to run.
+bool check_deterministic(const std::string& wavelet) {
+  const std::vector<int64_t> shape = {2048, 1024};
+  at::manual_seed(2);
+  const at::Tensor init = at::randn(shape, at::kDouble).to(at::kFloat);
+  const at::Tensor direction = at::randn(shape, at::kDouble);
+  std::vector<at::Tensor> grads;
+  for (int t = 0; t < 6; ++t)  // a steady direction, growing: the normalised moments grow
+    grads.push_back(
+        ((direction + 0.3 * at::randn(shape, at::kDouble)) * (1 + 2 * t)).to(at::kFloat));
+  auto run = [&](double gamma, bool resume) {
+    const auto options = gwt::WaveletAdamOptions(0.02)
+                             .weight_decay(0.1)
+                             .scale(0.5)
+                             .level(2)
+                             .wavelet(wavelet)
+                             .norm_growth_limit(gamma);
+    at::Tensor p = init.to(g_device).clone().requires_grad_(true);
+    auto opt = std::make_unique<gwt::WaveletAdam>(std::vector<at::Tensor>{p}, options);
+    for (size_t t = 0; t < grads.size(); ++t) {
+      if (resume && t == 3) {
+        std::stringstream saved;
+        torch::save(*opt, saved);
+        opt = std::make_unique<gwt::WaveletAdam>(std::vector<at::Tensor>{p}, options);
+        torch::load(*opt, saved);
+      }
+      p.mutable_grad() = grads[t].to(g_device);
+      opt->step();
+    }
+    return std::make_pair(p.detach().cpu(), opt->is_fused_param(p));
+  };
+  const auto first = run(1.01, false);
+  const bool same = at::equal(first.first, run(1.01, false).first);
+  const bool resumed = at::equal(first.first, run(1.01, true).first);
+  const bool limited = !at::equal(first.first, run(0.0, false).first);
+  const bool ok = first.second && same && resumed && limited;
+  std::printf("%s check %-6s norm pass with 2048 blocks: two runs %s, resume %s, limiter %s%s\n",
+              ok ? "PASS" : "FAIL", wavelet.c_str(), same ? "identical" : "DIFFER",
+              resumed ? "identical" : "DIFFERS", limited ? "acted" : "DID NOT ACT",
+              first.second ? "" : " (not on the fused path!)");
   return ok;
 }
 
@@ -191,6 +253,7 @@ void write_json(const std::string& path, const std::vector<Row>& rows) {
 int main(int argc, char** argv) {
   std::string json = "gpu_check.json";
   int steps = 20;
+  bool checks_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--device" && i + 1 < argc) {
@@ -204,8 +267,12 @@ int main(int argc, char** argv) {
       json = argv[++i];
     } else if (arg == "--steps" && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
+    } else if (arg == "--checks-only") {
+      checks_only = true;
     } else {
-      std::fprintf(stderr, "usage: gpu_check [--device cuda|cpu] [--json out.json] [--steps N]\n");
+      std::fprintf(stderr,
+                   "usage: gpu_check [--device cuda|cpu] [--json out.json] [--steps N] "
+                   "[--checks-only]\n");
       return 2;
     }
   }
@@ -217,7 +284,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gpu_check: gwt was built without its CUDA kernels (GWT_CUDA=ON)\n");
     return 2;
   }
-  bool ok = true;
+  bool ok = check_kernel_image();
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble})
     for (int64_t level : {1, 2, 3})
       for (const auto& shape : std::vector<std::vector<int64_t>>{{64, 512}, {7, 37}, {3, 5, 66}})
@@ -225,6 +292,12 @@ int main(int argc, char** argv) {
           ok = check_case(wavelet, dtype, level, shape, false) && ok;
   ok = check_case("haar", at::kFloat, 2, {96, 48}, true) && ok;
   ok = check_case("db2", at::kFloat, 2, {96, 48}, true) && ok;
+  ok = check_deterministic("haar") && ok;
+  ok = check_deterministic("db2") && ok;
+  if (checks_only) {
+    std::printf("\n%s\n", ok ? "all checks passed" : "SOME CHECKS FAILED");
+    return ok ? 0 : 1;
+  }
   std::printf("\ntiming (%d steps after 3 warm-up steps)\n", steps);
   std::vector<Row> rows;
   bench(0, steps, rows);
