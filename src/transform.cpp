@@ -226,6 +226,7 @@ WaveletCoeffs2 wavedec2(const at::Tensor& x, const Wavelet& wavelet, int64_t lev
                         BoundaryMode mode) {
   TORCH_CHECK(x.defined() && x.dim() >= 2,
               "gwt: wavedec2 needs a tensor with at least two dimensions");
+  check_transform_input(x);  // also at level 0, which returns x itself (found by fuzz_transform)
   TORCH_CHECK(level >= 0, "gwt: wavedec2 level must be >= 0, got ", level);
   WaveletCoeffs2 out;
   at::Tensor approx = x;

@@ -138,6 +138,15 @@ TEST(Transform, HalfPrecisionInputsAreComputedInFloat) {
   EXPECT_LE(max_abs_diff(c32.approx, c64.approx), bound);
 }
 
+TEST(Transform, Wavedec2RejectsNonFloatInputsAtEveryLevel) {
+  // Level 0 returns the input as the approximation: it was returned unchecked (fuzz_transform).
+  const at::Tensor x = at::ones({4, 4}, at::kLong);
+  for (int64_t level : {0, 1}) {
+    EXPECT_THROW(gwt::wavedec2(x, "haar", level), c10::Error) << "level " << level;
+    EXPECT_THROW(gwt::wavedec(x, "haar", level), c10::Error) << "level " << level;
+  }
+}
+
 TEST(Transform, HaarIsBlockLocal) {
   // SPEC 1.3: with L levels on a length divisible by 2^L each block of 2^L samples owns one
   // approximation coefficient, which is the block sum / 2^(L/2).
