@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fuzz_util.h"
+#include "libtorch_guard.h"
 #include "load_setup.h"
 
 namespace {
@@ -220,12 +221,15 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  // LibTorch's reader allocates what a crafted pickle says: see libtorch_guard.h.
+  if (gwt_fuzz::pickle_lengths_out_of_range(data, size)) return 0;
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(reinterpret_cast<const char*>(data), size);
   } catch (const std::exception&) {
     return 0;  // not an archive LibTorch reads
   }
+  if (gwt_fuzz::libtorch_misread(archive)) return 0;  // LibTorch's defect: see libtorch_misread
   check_load<WaveletAdamTraits>(g_wavelet_adam, archive);
   check_load<GaLoreAdamTraits>(g_galore_adam, archive);
   return 0;

@@ -6,6 +6,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cctype>
 #include <map>
 #include <memory>
@@ -22,9 +23,7 @@ namespace gwt {
 ThresholdScheduler::ThresholdScheduler(WaveletAdam& optimizer, Rule rule)
     : optimizer_(optimizer), rule_(std::move(rule)) {
   TORCH_CHECK(rule_ != nullptr, "gwt::ThresholdScheduler needs a rule");
-  for (const auto i : c10::irange(optimizer_.param_groups().size()))
-    base_.push_back(optimizer_.group_options(i).threshold());
-  apply();
+  apply(0);
 }
 
 ThresholdScheduler ThresholdScheduler::linear_ramp(WaveletAdam& optimizer, double start, double end,
@@ -39,18 +38,28 @@ ThresholdScheduler ThresholdScheduler::linear_ramp(WaveletAdam& optimizer, doubl
 }
 
 void ThresholdScheduler::step() {
+  apply(step_count_ + 1);
   ++step_count_;
-  apply();
 }
 
-void ThresholdScheduler::apply() {
-  for (const auto i : c10::irange(optimizer_.param_groups().size())) {
-    const double value = rule_(step_count_, base_.at(i));
+void ThresholdScheduler::apply(int64_t step) {
+  // Every value first, then all of them: a rule that fails for one group changes no group, and
+  // step() does not advance. A group added to the optimizer after the scheduler was made takes
+  // its threshold at that point as its base.
+  const size_t groups = optimizer_.param_groups().size();
+  std::vector<double> base = base_;
+  for (size_t i = base.size(); i < groups; ++i) base.push_back(optimizer_.group_options(i).threshold());
+  std::vector<double> values(groups);
+  for (const auto i : c10::irange(groups)) {
+    const double value = rule_(step, base[i]);
     TORCH_CHECK(std::isfinite(value) && value >= 0,
                 "gwt::ThresholdScheduler: the rule gave threshold ", value, " for group ", i,
-                " at step ", step_count_, "; thresholds must be finite and >= 0");
-    static_cast<WaveletAdamOptions&>(optimizer_.param_groups()[i].options()).threshold(value);
+                " at step ", step, "; thresholds must be finite and >= 0 (no group was changed)");
+    values[i] = value;
   }
+  for (const auto i : c10::irange(groups))
+    static_cast<WaveletAdamOptions&>(optimizer_.param_groups()[i].options()).threshold(values[i]);
+  base_ = std::move(base);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -145,6 +154,9 @@ CompressedGradient compress_gradient(const at::Tensor& grad, const Wavelet& wave
   TORCH_CHECK(grad.defined() && grad.dim() >= 1,
               "gwt::compress_gradient needs a tensor with a dimension");
   TORCH_CHECK(level >= 1, "gwt::compress_gradient: level must be >= 1, got ", level);
+  TORCH_CHECK(std::isfinite(threshold_value) && threshold_value >= 0,
+              "gwt::compress_gradient: invalid threshold ", threshold_value,
+              "; it must be finite and >= 0 (0 keeps every detail coefficient)");
   TORCH_CHECK(positions == "auto" || positions == "indices" || positions == "bitmask",
               "gwt::compress_gradient: unknown positions '", positions,
               "' (valid: auto, indices, bitmask)");
@@ -207,7 +219,11 @@ at::Tensor decompress_gradient(const CompressedGradient& c) {
     }
     coeffs.details.push_back(flat.view(c.detail_shapes[k]));
   }
-  const int64_t dim = c.dim < 0 ? c.dim + static_cast<int64_t>(c.shape.size()) : c.dim;
+  const auto rank = static_cast<int64_t>(c.shape.size());
+  TORCH_CHECK(rank >= 1 && c.dim >= -rank && c.dim < rank, "gwt::decompress_gradient: dim ", c.dim,
+              " is out of range for the recorded shape ", c10::IntArrayRef(c.shape),
+              " (valid: -", rank, " to ", rank - 1, "; a shape needs at least one dimension)");
+  const int64_t dim = c.dim < 0 ? c.dim + rank : c.dim;
   return waverec(coeffs, c.wavelet, c.dim, boundary_mode_from_string(c.boundary), c.shape.at(dim));
 }
 

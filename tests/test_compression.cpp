@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -258,6 +259,87 @@ TEST(ThresholdScheduler, PerGroupRuleAndSaveLoadKeepTheCurrentValues) {
   std::remove(path.c_str());
   EXPECT_DOUBLE_EQ(loaded.group_options(0).threshold(), 0.8);
   EXPECT_NEAR(loaded.group_options(1).threshold(), 1.6, 1e-15);
+}
+
+TEST(ThresholdScheduler, ABadRuleValueChangesNoGroupAndDoesNotAdvance) {
+  // apply() set the groups in order: a rule failing for group 1 had already changed group 0, and
+  // step() had advanced step_count(). Now every value is checked before any is set.
+  at::Tensor a = at::randn({8, 16}).requires_grad_(true),
+             b = at::randn({8, 16}).requires_grad_(true);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{a},
+                      std::make_unique<WaveletAdamOptions>(WaveletAdamOptions().threshold(0.2)));
+  groups.emplace_back(std::vector<at::Tensor>{b},
+                      std::make_unique<WaveletAdamOptions>(WaveletAdamOptions().threshold(0.4)));
+  WaveletAdam opt(std::move(groups));
+  gwt::ThresholdScheduler scheduler(opt, [](int64_t step, double base) {
+    return step == 2 && base > 0.3 ? -1.0 : base + static_cast<double>(step);
+  });
+  scheduler.step();
+  EXPECT_EQ(scheduler.step_count(), 1);
+  EXPECT_DOUBLE_EQ(opt.group_options(0).threshold(), 1.2);
+  try {
+    scheduler.step();
+    ADD_FAILURE() << "no error for a negative threshold";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("for group 1 at step 2"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_EQ(scheduler.step_count(), 1);
+  EXPECT_DOUBLE_EQ(opt.group_options(0).threshold(), 1.2);
+  EXPECT_DOUBLE_EQ(opt.group_options(1).threshold(), 1.4);
+  // A rule that rejects the construction-time values: the constructor throws, nothing set.
+  EXPECT_THROW(gwt::ThresholdScheduler(opt, [](int64_t, double) { return std::nan(""); }),
+               c10::Error);
+  EXPECT_DOUBLE_EQ(opt.group_options(0).threshold(), 1.2);
+}
+
+TEST(ThresholdScheduler, AGroupAddedLaterTakesItsThresholdAsItsBase) {
+  // base_.at(i) threw std::out_of_range for a group added after the scheduler was made.
+  at::Tensor a = at::randn({8, 16}).requires_grad_(true),
+             b = at::randn({8, 16}).requires_grad_(true);
+  WaveletAdam opt(std::vector<at::Tensor>{a}, WaveletAdamOptions().threshold(0.1));
+  gwt::ThresholdScheduler scheduler(opt, [](int64_t step, double base) { return base * (1 + step); });
+  opt.add_param_group(torch::optim::OptimizerParamGroup(
+      {b}, std::make_unique<WaveletAdamOptions>(WaveletAdamOptions().threshold(0.5))));
+  scheduler.step();
+  EXPECT_DOUBLE_EQ(opt.group_options(0).threshold(), 0.2);
+  EXPECT_DOUBLE_EQ(opt.group_options(1).threshold(), 1.0);
+  scheduler.step();
+  EXPECT_DOUBLE_EQ(opt.group_options(1).threshold(), 1.5);  // base 0.5 kept, not 1.0
+}
+
+TEST(CompressedGradient, BadThresholdAndOutOfRangeDimAreCleanErrors) {
+  const at::Tensor g = at::randn({4, 32}, at::kDouble);
+  // A NaN threshold meant "keep everything" (NaN > 0 is false); a negative one likewise.
+  for (double bad : {-0.5, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    try {
+      gwt::compress_gradient(g, "haar", 2, bad);
+      ADD_FAILURE() << "no error for threshold " << bad;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("invalid threshold"),
+                std::string::npos);
+    }
+  }
+  // A CompressedGradient whose recorded dim does not fit its shape (hand-made or loaded from a
+  // damaged archive): std::out_of_range escaped from shape.at(dim).
+  auto c = gwt::compress_gradient(g, "haar", 2, 0.0);
+  for (int64_t dim : {2, -3}) {
+    auto bad = c;
+    bad.dim = dim;
+    try {
+      gwt::decompress_gradient(bad);
+      ADD_FAILURE() << "no error for dim " << dim;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("out of range for the recorded shape"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
+  auto empty = c;
+  empty.shape.clear();
+  EXPECT_THROW(gwt::decompress_gradient(empty), c10::Error);
 }
 
 struct StackImpl : torch::nn::Module {

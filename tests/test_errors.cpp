@@ -111,6 +111,67 @@ TEST(Errors, StateDtypeMustBeAValidName) {
   f.expect_unchanged();
 }
 
+TEST(Errors, OptionsThatOverflowFloat32AreRejectedAtStepWithNothingChanged) {
+  // Found by fuzz_step: lr = 1e300 (a finite double) for a float32 parameter threw ATen's
+  // std::runtime_error "value cannot be converted to type float without overflow" from the middle
+  // of the reference path's step. Every option that enters the float32 math is checked first.
+  for (bool fused : {true, false}) {
+    at::manual_seed(34);
+    at::Tensor w = at::randn({8, 32}).requires_grad_(true);
+    at::Tensor b = at::randn({8}).requires_grad_(true);
+    WaveletAdam opt({w, b}, WaveletAdamOptions(0.01).fused(fused));
+    w.mutable_grad() = at::randn({8, 32});
+    b.mutable_grad() = at::randn({8});
+    opt.step();
+    auto& o = static_cast<WaveletAdamOptions&>(opt.param_groups()[0].options());
+    const auto state_of = [&](const at::Tensor& p) -> const WaveletAdamParamState& {
+      return static_cast<const WaveletAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+    };
+    for (auto set : std::vector<std::function<void()>>{
+             [&] { o.lr(1e300); }, [&] { o.lr(1e20).weight_decay(1e20); },
+             [&] { o.lr(1e30).scale(1e30); }, [&] { o.threshold(1e39); },
+             [&] { o.norm_growth_limit(1e39); }}) {
+      o = WaveletAdamOptions(0.01).fused(fused);
+      set();
+      const at::Tensor w0 = w.detach().clone(), m0 = state_of(w).exp_avg().clone();
+      expect_error([&] { opt.step(); }, {"does not fit float32", "Float parameter"});
+      EXPECT_TRUE(at::equal(w, w0));
+      EXPECT_TRUE(at::equal(state_of(w).exp_avg(), m0));
+      EXPECT_EQ(state_of(w).step(), 1);
+      EXPECT_EQ(state_of(b).step(), 1);
+    }
+  }
+  // A float64 parameter's math is float64: the same lr is representable and the step runs.
+  Fixture f;
+  static_cast<WaveletAdamOptions&>(f.opt.param_groups()[0].options()).lr(1e300);
+  f.w.mutable_grad() = at::randn({8, 32}, at::kDouble);
+  EXPECT_NO_THROW(f.opt.step());
+}
+
+TEST(Errors, WideGradientThatOverflowsTheMathDtypeSkipsTheStepOnEveryPath) {
+  // A float64 gradient of 1e300 for a float32 parameter is finite as given but infinite in the
+  // float32 math. The reference path and dense parameters checked the gradient as given and
+  // wrote NaN; now every path checks it in the math dtype, and the step is skipped.
+  for (bool fused : {true, false}) {
+    at::Tensor w = at::randn({8, 32}).requires_grad_(true);
+    at::Tensor b = at::randn({8}).requires_grad_(true);  // dense (below 2^level)
+    WaveletAdam opt({w, b}, WaveletAdamOptions(0.01).level(3).fused(fused));
+    const at::Tensor w0 = w.detach().clone(), b0 = b.detach().clone();
+    w.mutable_grad() = at::full({8, 32}, 1e300, at::kDouble);
+    b.mutable_grad() = at::full({8}, 1e300, at::kDouble);
+    opt.step();
+    EXPECT_EQ(opt.skipped_steps(), 1) << "fused " << fused;
+    EXPECT_TRUE(at::equal(w, w0));
+    EXPECT_TRUE(at::equal(b, b0));
+    EXPECT_TRUE(opt.state().empty());
+    // Only the dense parameter's gradient overflows: still skipped.
+    w.mutable_grad() = at::randn({8, 32}, at::kDouble);
+    opt.step();
+    EXPECT_EQ(opt.skipped_steps(), 2);
+    EXPECT_TRUE(at::equal(w, w0));
+  }
+}
+
 TEST(Errors, EpsMustBePositiveInFloat32) {
   // eps = 0 made 0 / 0 on a block of zero gradients: the fused path skipped every step as
   // non-finite, the reference wrote NaN. 1e-300 is 0 once cast to the float32 math.

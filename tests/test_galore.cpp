@@ -716,6 +716,65 @@ TEST(GaLoreAdam, GradientThatOverflowsTheComputeDtypeSkipsTheStep) {
   EXPECT_EQ(opt.svd_fallbacks(), 0);
 }
 
+TEST(GaLoreAdam, EpsZeroIsRejectedLikeWaveletAdams) {
+  // eps = 0 made 0 / 0 = NaN in the parameter where a coordinate's gradients were all zero.
+  const at::Tensor p = at::randn({4, 8}).requires_grad_(true);
+  for (double bad : {0.0, 1e-300, -1e-8, k_nan})
+    expect_error([&] { GaLoreAdam opt({p}, GaLoreAdamOptions().eps(bad)); },
+                 {"gwt::GaLoreAdam: invalid eps", "smallest normal float32"});
+  // The smallest accepted eps keeps all-zero coordinates at zero update, dense and projected.
+  at::Tensor d = at::ones({6}).requires_grad_(true);
+  at::Tensor w = at::ones({8, 6}).requires_grad_(true);
+  GaLoreAdam opt({d, w}, GaLoreAdamOptions(1e-3).rank(2).eps(std::numeric_limits<float>::min()));
+  d.mutable_grad() = at::zeros({6});
+  w.mutable_grad() = at::zeros({8, 6});
+  opt.step();
+  EXPECT_TRUE(at::equal(d, at::ones({6})));
+  EXPECT_TRUE(at::isfinite(w).all().item<bool>());
+}
+
+TEST(GaLoreAdam, OptionsThatOverflowFloat32AreRejectedAtStepWithNothingChanged) {
+  // lr = 1e300 is a finite double: valid for a float64 parameter, but a float32 parameter's update
+  // runs in float32, where ATen's scalar conversion threw a std::runtime_error half-way through the
+  // step (found by fuzz_step for WaveletAdam; GaLore shares the check).
+  at::manual_seed(33);
+  at::Tensor d = at::randn({6}).requires_grad_(true);
+  at::Tensor w = at::randn({8, 6}).requires_grad_(true);
+  GaLoreAdam opt({d, w}, GaLoreAdamOptions(0.01).rank(2));
+  d.mutable_grad() = at::randn({6});
+  w.mutable_grad() = at::randn({8, 6});
+  opt.step();
+  auto& o = static_cast<GaLoreAdamOptions&>(opt.param_groups()[0].options());
+  for (auto set : std::vector<std::function<void()>>{
+           [&] { o.lr(1e300); }, [&] { o.lr(1e20).weight_decay(1e20); },
+           [&] { o.lr(1e30).scale(1e30); }}) {
+    o = GaLoreAdamOptions(0.01).rank(2);
+    set();
+    const auto before = snapshot(opt, {d, w});
+    expect_error([&] { opt.step(); }, {"does not fit float32", "Float parameter"});
+    expect_same(snapshot(opt, {d, w}), before);
+  }
+  // The same lr for a float64 parameter is representable: the step runs.
+  at::Tensor q = at::randn({6}, at::kDouble).requires_grad_(true);
+  GaLoreAdam wide({q}, GaLoreAdamOptions(1e300));
+  q.mutable_grad() = at::randn({6}, at::kDouble);
+  EXPECT_NO_THROW(wide.step());
+}
+
+TEST(GaLoreAdam, WideGradientThatOverflowsADenseParametersDtypeSkipsTheStep) {
+  // A float64 gradient of 1e300 is finite, but the float32 update converts it to infinity: the
+  // finite check runs on the converted gradient, so the step is skipped instead of writing NaN.
+  at::Tensor d = at::randn({6}).requires_grad_(true);
+  GaLoreAdam opt({d}, GaLoreAdamOptions(0.01));
+  d.mutable_grad() = at::full({6}, 1e300, at::kDouble);
+  const auto before = snapshot(opt, {d});
+  opt.step();
+  EXPECT_EQ(opt.skipped_steps(), 1);
+  auto after = snapshot(opt, {d});
+  after[after.size() - 3] = before[before.size() - 3];  // all but skipped_steps
+  expect_same(after, before);
+}
+
 // ---------------------------------------------------------------------------------------------
 // LowRankLinear
 // ---------------------------------------------------------------------------------------------

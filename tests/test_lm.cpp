@@ -123,6 +123,30 @@ TEST(LanguageModelData, CorpusErrorsAreOneLine) {
   std::remove(empty.c_str()), std::remove(small.c_str());
 }
 
+TEST(LanguageModelData, UnlistableCorpusDirectoryIsAnInputError) {
+  // fs::directory_iterator threw std::filesystem::filesystem_error, which main() does not catch.
+  // A directory with no permissions cannot be listed except by root; for root, /proc/1/map_files
+  // needs CAP_SYS_ADMIN. The test uses the first of them that this process really cannot open.
+  const std::string locked = temp_path("locked_corpus");
+  std::filesystem::create_directories(locked);
+  std::filesystem::permissions(locked, std::filesystem::perms::none);
+  std::string unlistable;
+  for (const std::string& dir : {locked, std::string("/proc/1/map_files")}) {
+    std::error_code ec;
+    std::filesystem::directory_iterator probe(dir, ec);
+    if (ec && std::filesystem::is_directory(dir, ec)) {
+      unlistable = dir;
+      break;
+    }
+  }
+  if (!unlistable.empty())
+    expect_input_error([&] { lm::load_corpus(unlistable, 16); }, "cannot be listed");
+  std::filesystem::permissions(locked, std::filesystem::perms::owner_all);
+  std::filesystem::remove_all(locked);
+  if (unlistable.empty())
+    GTEST_SKIP() << "every candidate directory can be listed by this process";
+}
+
 TEST(LanguageModelData, DefaultCorpusIsTheFortunesText) {
   if (!std::filesystem::exists(lm::default_corpus_dir()))
     GTEST_SKIP() << "Debian's fortunes package is not installed (scripts/setup.sh installs it)";

@@ -176,8 +176,13 @@ Corpus load_corpus(const std::string& path_arg, int64_t seq_len) {
   std::string text;
   if (fs::is_directory(path, ec)) {
     std::vector<fs::path> files;
-    for (const auto& entry : fs::directory_iterator(path))
-      if (entry.is_regular_file() && !entry.path().has_extension()) files.push_back(entry.path());
+    fs::directory_iterator it(path, ec), end;
+    if (ec) throw InputError("corpus directory '" + path.string() + "' cannot be listed: " + ec.message());
+    for (; it != end; it.increment(ec)) {
+      if (ec) throw InputError("corpus directory '" + path.string() + "' cannot be listed: " + ec.message());
+      std::error_code type_ec;
+      if (it->is_regular_file(type_ec) && !it->path().has_extension()) files.push_back(it->path());
+    }
     std::sort(files.begin(), files.end());
     for (const auto& f : files) text += read_file(f) + "%\n";
   } else {

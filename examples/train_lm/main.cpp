@@ -55,6 +55,18 @@ double parse_double(const std::string& flag, const std::string& value) {
   throw lm::InputError(flag + " needs a positive number, got '" + value + "'");
 }
 
+// A whole number of steps in [1, 10^12]: a fraction or a value past int64 was truncated (0.5
+// became 0, which silently meant the preset's count) or undefined behaviour.
+int64_t parse_steps(const std::string& flag, const std::string& value) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(value, &used);
+    if (used == value.size() && v >= 1 && v <= 1000000000000LL) return static_cast<int64_t>(v);
+  } catch (const std::exception&) {
+  }
+  throw lm::InputError(flag + " needs a whole number from 1 to 10^12, got '" + value + "'");
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -72,7 +84,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--out")
       a.out = value();
     else if (flag == "--steps")
-      a.steps = static_cast<int64_t>(parse_double(flag, value()));
+      a.steps = parse_steps(flag, value());
     else if (flag == "--device")
       a.device = value();
     else if (flag == "--lr-adamw")

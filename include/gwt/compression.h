@@ -22,8 +22,10 @@ namespace gwt {
 
 /// Sets each group's `threshold` like the torch::optim LR schedulers set lr: call step() once per
 /// epoch or per optimizer step. The rule sees the number of step() calls so far and the group's
-/// threshold when the scheduler was made. The value lives in the group options, so
-/// torch::save/torch::load of the optimizer keep it.
+/// threshold when the scheduler was made (a group added later: its threshold at the first step()
+/// that sees it). The value lives in the group options, so torch::save/torch::load of the
+/// optimizer keep it. A rule value that is negative or not finite is a c10::Error that changes no
+/// group and does not advance step_count().
 class ThresholdScheduler {
  public:
   using Rule = std::function<double(int64_t step, double base_threshold)>;
@@ -38,7 +40,7 @@ class ThresholdScheduler {
   int64_t step_count() const { return step_count_; }
 
  private:
-  void apply();
+  void apply(int64_t step);
   WaveletAdam& optimizer_;
   Rule rule_;
   std::vector<double> base_;

@@ -6,8 +6,11 @@
 #include <torch/serialize/input-archive.h>
 
 #include <cmath>
+#include <initializer_list>
+#include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "gwt/kernels.h"
@@ -35,7 +38,13 @@ inline void check_adam_options(const char* who, double lr, std::tuple<double, do
               "; it must be in [0, 1)");
   TORCH_CHECK(finite(beta2) && beta2 >= 0 && beta2 < 1, who, ": invalid beta2 ", beta2,
               "; it must be in [0, 1)");
-  TORCH_CHECK(finite(eps) && eps >= 0, who, ": invalid eps ", eps, "; it must be finite and >= 0");
+  // eps keeps m / (sqrt(v) + eps) defined where a coordinate's gradients were all zero (m = v = 0):
+  // with eps = 0 that is 0 / 0. The math runs in float32 for all but float64 parameters, so eps
+  // must survive the cast: at least the smallest normal float32 (denormals may be flushed).
+  constexpr double min_eps = std::numeric_limits<float>::min();
+  TORCH_CHECK(finite(eps) && eps >= min_eps, who, ": invalid eps ", eps, "; it must be finite and >= ",
+              min_eps, " (the smallest normal float32; with eps = 0 a coordinate whose gradients "
+              "were all zero makes 0 / 0)");
   TORCH_CHECK(finite(weight_decay) && weight_decay >= 0, who, ": invalid weight_decay ",
               weight_decay, "; it must be finite and >= 0");
 }
@@ -43,6 +52,29 @@ inline void check_adam_options(const char* who, double lr, std::tuple<double, do
 /// The dtype updates are computed in: float64 stays, everything else float32.
 inline at::ScalarType compute_dtype(const at::Tensor& param) {
   return param.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+/// The option values enter a parameter's update as scalars of its math dtype (`compute_dtype`):
+/// for all but float64 parameters each must fit float32, or the step would fail half-way (ATen's
+/// "value cannot be converted to type float without overflow") or write infinities. Checked for
+/// every parameter before anything changes.
+inline void check_options_fit(const char* who, const at::Tensor& param,
+                              std::initializer_list<std::pair<const char*, double>> values) {
+  if (compute_dtype(param) == at::kDouble) return;
+  constexpr double max = std::numeric_limits<float>::max();
+  for (const auto& [name, value] : values)
+    TORCH_CHECK(std::abs(value) <= max, who, ": ", name, " = ", value, " does not fit float32, ",
+                "the dtype the update of a ", param.scalar_type(), " parameter is computed in; it ",
+                "must be at most ", max, " in magnitude (or make the parameter float64)");
+}
+
+/// The gradient as the finite check must see it: in the math dtype when the gradient is wider (a
+/// float64 gradient of a float32 parameter can be finite and still overflow float32, which the
+/// update converts it to).
+inline at::Tensor grad_for_finite_check(const at::Tensor& param, const at::Tensor& grad) {
+  const auto math = compute_dtype(param);
+  if (grad.scalar_type() == at::kDouble && math != at::kDouble) return grad.to(math);
+  return grad;
 }
 
 /// Whether the kernels (and so the optimizers) read and write this dtype.

@@ -348,13 +348,23 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
       optim_detail::check_grad(k_who, param, param.grad());
       Plan plan = plan_for(param, options);
       auto it = state_.find(param.unsafeGetTensorImpl());
+      const int64_t next_step =
+          (it == state_.end() ? 0 : static_cast<const GaLoreAdamParamState&>(*it->second).step()) + 1;
+      const double step_size = optim_detail::adam_step_size(options.lr(), options.betas(),
+                                                            options.correct_bias(), next_step);
+      optim_detail::check_options_fit(
+          k_who, param,
+          {{"eps", options.eps()},
+           {"the step size (lr x bias correction)", step_size},
+           {"the step size x scale", step_size * options.scale()},
+           {"lr x weight_decay", options.lr() * options.weight_decay()}});
       if (it != state_.end()) {
         const auto& state = static_cast<const GaLoreAdamParamState&>(*it->second);
         check_state(state, param, plan);
         check_placement(state, param, plan);
       }
       work.push_back({param, &options, std::move(plan)});
-      grads.push_back(param.grad());
+      grads.push_back(optim_detail::grad_for_finite_check(param, param.grad()));
     }
   }
   if (work.empty()) return loss;

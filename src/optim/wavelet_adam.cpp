@@ -518,6 +518,17 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       optim_detail::check_grad("gwt::WaveletAdam", param, grad);
       Plan plan = plan_for(param, options);
       auto it = state_.find(param.unsafeGetTensorImpl());
+      const int64_t next_step =
+          (it == state_.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).step()) + 1;
+      const double step_size = step_size_of(options, next_step);
+      optim_detail::check_options_fit(
+          "gwt::WaveletAdam", param,
+          {{"eps", options.eps()},
+           {"the step size (lr x bias correction)", step_size},
+           {"the step size x scale", step_size * options.scale()},
+           {"lr x weight_decay", options.lr() * options.weight_decay()},
+           {"threshold", options.threshold()},
+           {"norm_growth_limit", options.norm_growth_limit()}});
       if (it != state_.end()) {
         const auto& state = static_cast<const WaveletAdamParamState&>(*it->second);
         check_state(state, param, plan);
@@ -573,7 +584,7 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       fused_norm_pass(w);
       to_check.push_back(w.norm_sq);
     } else {
-      to_check.push_back(w.param.grad());
+      to_check.push_back(optim_detail::grad_for_finite_check(w.param, w.param.grad()));
     }
   }
   finite = optim_detail::all_finite(to_check);

@@ -87,15 +87,6 @@ void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
 
 void validate_options(const WaveletAdamOptions& o) {
   auto finite = [](double x) { return std::isfinite(x); };
-  // eps keeps m / (sqrt(v) + eps) defined where a block's gradients were all zero (m = v = 0):
-  // with eps = 0 that is 0 / 0, which the fused norm pass would report as a non-finite gradient
-  // on every step, and the reference would write into the parameter as NaN. The math runs in
-  // float32 for all but float64 parameters, so eps must survive the cast: at least the smallest
-  // normal float32 (denormals may be flushed to zero).
-  constexpr double min_eps = std::numeric_limits<float>::min();
-  TORCH_CHECK(finite(o.eps()) && o.eps() >= min_eps, "gwt::WaveletAdam: invalid eps ", o.eps(),
-              "; it must be finite and >= ", min_eps,
-              " (the smallest normal float32; with eps = 0 a block of zero gradients makes 0 / 0)");
   optim_detail::check_adam_options("gwt::WaveletAdam", o.lr(), o.betas(), o.eps(),
                                    o.weight_decay());
   TORCH_CHECK(o.level() >= 0 && o.level() <= 30, "gwt::WaveletAdam: invalid level ", o.level(),

@@ -1,0 +1,194 @@
+#pragma once
+
+// Inputs that LibTorch's own archive reader mishandles, for the targets that read archives
+// (fuzz_load, fuzz_compression). The bytes go through torch::serialize::InputArchive::load_from
+// before any gwt code runs; two known LibTorch defects turn some crafted archives into a crash or
+// an unbounded allocation there, or into a tensor that reaches past its memory. They are not gwt's
+// to fix (gwt's load() receives an InputArchive and cannot see the bytes), so the targets discard
+// such inputs, as they discard the archives load_from rejects:
+//
+// - pickle_lengths_out_of_range: the unpickler allocates whatever a length or memo index in the
+//   pickle says (BINBYTES8 / BINUNICODE8 of 4 GB, LONG_BINPUT of 2^32 entries) before it reads a
+//   byte of it (torch/csrc/jit/serialization/unpickler.cpp; pytorch/pytorch#185443). Screened
+//   before load_from.
+// - misread: a storage sized by the pickle's numel x itemsize over a zip record that holds fewer
+//   bytes (unpickler.cpp, BINPERSID; pytorch/pytorch#109791, open). Checked after load_from.
+
+#include <ATen/ATen.h>
+#include <caffe2/serialize/in_memory_adapter.h>
+#include <caffe2/serialize/inline_container.h>
+#include <sanitizer/allocator_interface.h>
+#include <torch/serialize/input-archive.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_set>
+
+namespace gwt_fuzz {
+
+/// Whether a pickle stream has a length field that runs past the stream's end, or a memo index
+/// larger than the stream could fill. Walks the opcodes LibTorch's unpickler reads; at an opcode
+/// it does not know it stops and says no (the unpickler itself rejects what follows).
+inline bool pickle_stream_out_of_range(const uint8_t* p, size_t n) {
+  size_t i = 0;
+  auto le = [&](size_t at, int bytes) {
+    uint64_t v = 0;
+    for (int b = bytes - 1; b >= 0; --b) v = (v << 8) | p[at + static_cast<size_t>(b)];
+    return v;
+  };
+  // A fixed-size argument of `bytes` bytes.
+  auto skip = [&](size_t bytes) {
+    if (bytes > n - i) return false;
+    i += bytes;
+    return true;
+  };
+  // A length of `bytes` bytes followed by that many bytes; false if it does not fit.
+  auto counted = [&](int bytes) {
+    if (static_cast<size_t>(bytes) > n - i) return false;
+    const uint64_t len = le(i, bytes);
+    i += static_cast<size_t>(bytes);
+    if (len > n - i) return false;
+    i += static_cast<size_t>(len);
+    return true;
+  };
+  auto line = [&]() {
+    const void* nl = std::memchr(p + i, '\n', n - i);
+    if (nl == nullptr) return false;
+    i = static_cast<size_t>(static_cast<const uint8_t*>(nl) - p) + 1;
+    return true;
+  };
+  // A memo index (BINPUT/LONG_BINPUT/BINGET/LONG_BINGET): the unpickler resizes its memo to it.
+  auto memo = [&](int bytes) {
+    if (static_cast<size_t>(bytes) > n - i) return false;
+    const uint64_t index = le(i, bytes);
+    i += static_cast<size_t>(bytes);
+    return index <= n;
+  };
+  while (i < n) {
+    const uint8_t op = p[i++];
+    bool ok = true;
+    switch (op) {
+      case '.':  // STOP
+        return false;
+      case '(': case '0': case '1': case '2': case '}': case ']': case ')': case 'a': case 'e':
+      case 'b': case 'd': case 'l': case 't': case 0x85: case 0x86: case 0x87: case 0x88:
+      case 0x89: case 'N': case 'R': case 's': case 'u': case 0x81: case 'Q': case 0x94:
+      case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93:
+        break;
+      case 0x80: ok = skip(1); break;                      // PROTO
+      case 0x95: ok = skip(8); break;                      // FRAME
+      case 'J': ok = skip(4); break;                       // BININT
+      case 'K': ok = skip(1); break;                       // BININT1
+      case 'M': ok = skip(2); break;                       // BININT2
+      case 'G': ok = skip(8); break;                       // BINFLOAT
+      case 0x82: ok = skip(1); break;                      // EXT1
+      case 0x83: ok = skip(2); break;                      // EXT2
+      case 0x84: ok = skip(4); break;                      // EXT4
+      case 0x8a: case 'C': case 0x8c: case 'U': ok = counted(1); break;  // LONG1, short strings
+      case 0x8b: case 'X': case 'B': case 'T': ok = counted(4); break;   // LONG4, strings
+      case 0x8d: case 0x8e: case 0x96: ok = counted(8); break;           // 8-byte lengths
+      case 'q': case 'h': ok = memo(1); break;             // BINPUT, BINGET
+      case 'r': case 'j': ok = memo(4); break;             // LONG_BINPUT, LONG_BINGET
+      case 'c': ok = line() && line(); break;              // GLOBAL
+      case 'I': case 'L': case 'S': case 'V': case 'F': case 'p': case 'g': case 'P':
+        ok = line();
+        break;
+      default:
+        return false;  // not an opcode the unpickler reads: it throws there
+    }
+    if (!ok) return true;
+  }
+  return false;
+}
+
+/// Whether any pickle record of the archive in `data` (data.pkl, constants.pkl, *.debug_pkl)
+/// fails pickle_stream_out_of_range. Bytes that are not a zip archive LibTorch opens say no:
+/// load_from rejects them itself.
+inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(
+        std::make_shared<caffe2::serialize::MemoryReadAdapter>(data, static_cast<off_t>(size)));
+    for (const auto& name : reader.getAllRecords()) {
+      const bool pickle = name.size() >= 3 && name.compare(name.size() - 3, 3, "pkl") == 0;
+      if (!pickle) continue;
+      // The record's size is bounded by the input's (the zip reader checks what it inflates).
+      if (reader.getRecordSize(name) > (size_t{64} << 20)) return true;
+      const auto [ptr, bytes] = reader.getRecord(name);
+      if (pickle_stream_out_of_range(static_cast<const uint8_t*>(ptr.get()), bytes)) return true;
+    }
+  } catch (const std::exception&) {
+    return false;
+  }
+  return false;
+}
+
+/// Whether LibTorch's archive reader handed out a tensor that reaches past its own memory.
+///
+/// LibTorch's unpickler builds each storage with the byte size the pickle declares (numel x
+/// itemsize) on the buffer of the zip record it names, without comparing the two
+/// (torch/csrc/jit/serialization/unpickler.cpp, BINPERSID; pytorch/pytorch#109791, open): a
+/// crafted archive whose pickle declares more elements than its record holds loads "fine", and the
+/// first read of that tensor, by anyone, runs off the end of a heap buffer. No public LibTorch API
+/// shows a storage's real allocation, so gwt's load() cannot see it; AddressSanitizer can (these
+/// targets always run under it): the size of the live allocation that the storage's data starts.
+/// An input for which this returns true is LibTorch's defect, not gwt's, and the targets discard
+/// it as they discard archives load_from rejects. Walks every attribute, nested archive, list,
+/// dict and tuple of the archive.
+inline bool libtorch_misread(const c10::IValue& v, std::unordered_set<const void*>& seen) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined() || !t.has_storage()) return false;
+    const auto& storage = t.storage();
+    const void* data = storage.data();
+    // The extent the tensor's sizes, strides and offset reach, in bytes.
+    int64_t last = t.storage_offset();
+    bool empty = false;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) == 0) empty = true;
+      else last += (t.size(d) - 1) * std::abs(t.stride(d));
+    }
+    const auto need = empty ? 0 : static_cast<size_t>(last + 1) * t.element_size();
+    if (need == 0 && storage.nbytes() == 0) return false;
+    if (data == nullptr) return true;
+    if (!__sanitizer_get_ownership(data)) return false;  // not a heap block (e.g. a constant)
+    const size_t allocated = __sanitizer_get_allocated_size(data);
+    return storage.nbytes() > allocated || need > allocated;
+  }
+  if (v.isObject()) {
+    const auto obj = v.toObject();
+    if (!seen.insert(obj.get()).second) return false;
+    for (const auto& slot : obj->slots())
+      if (libtorch_misread(slot, seen)) return true;
+    return false;
+  }
+  if (v.isList()) {
+    for (const auto& e : v.toListRef())
+      if (libtorch_misread(e, seen)) return true;
+    return false;
+  }
+  if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements())
+      if (libtorch_misread(e, seen)) return true;
+    return false;
+  }
+  if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict())
+      if (libtorch_misread(e.key(), seen) || libtorch_misread(e.value(), seen)) return true;
+    return false;
+  }
+  return false;
+}
+
+inline bool libtorch_misread(torch::serialize::InputArchive& archive) {
+  std::unordered_set<const void*> seen;
+  for (const auto& key : archive.keys()) {
+    c10::IValue value;
+    if (archive.try_read(key, value) && libtorch_misread(value, seen)) return true;
+  }
+  return false;
+}
+
+}  // namespace gwt_fuzz
