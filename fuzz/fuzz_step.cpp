@@ -206,9 +206,15 @@ Bound update_bound(const WaveletAdam& opt, const at::Tensor& param, const Wavele
   return b;
 }
 
-bool within(const Bound& b, const at::Tensor& param, const WaveletAdamOptions& o) {
+// `moments_before`: the state the step starts from (undefined before the first step). Existing
+// moments keep their dtype when state_dtype changes mid-run, so their dtype bounds them, and a
+// state that is already non-finite (an earlier, unbounded step) bounds nothing.
+bool within(const Bound& b, const at::Tensor& param, const WaveletAdamOptions& o,
+            const at::Tensor& moments_before) {
   const double compute = dtype_max(param.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
-  const double moments = o.state_dtype() == "bfloat16" ? dtype_max(at::kBFloat16) : compute;
+  const bool bf16 = moments_before.defined() ? moments_before.scalar_type() == at::kBFloat16
+                                             : o.state_dtype() == "bfloat16";
+  const double moments = bf16 ? dtype_max(at::kBFloat16) : compute;
   return 4 * b.param < std::min(dtype_max(param.scalar_type()), compute) &&
          4 * b.coeff_sq < moments && 4 * b.norm_sq < compute;
 }
@@ -351,7 +357,9 @@ void checked_step(WaveletAdam& opt, const std::vector<at::Tensor>& params,
     if (finite) continue;
     const bool inputs_finite =
         gwt_fuzz::all_finite(b.param) && gwt_fuzz::all_finite(params[i].grad());
-    if (options[i] != nullptr && within(bounds[i], b.param, *options[i]))
+    const bool state_finite = gwt_fuzz::all_finite(b.exp_avg) &&
+                              gwt_fuzz::all_finite(b.exp_avg_sq) && gwt_fuzz::all_finite(b.norm);
+    if (options[i] != nullptr && state_finite && within(bounds[i], b.param, *options[i], b.exp_avg_sq))
       fail("finite, bounded inputs gave a non-finite parameter or moment (parameter " +
            std::to_string(i) + ", step " + std::to_string(a.step) + ")\n" + describe(params, opt));
     if (inputs_finite && options[i] != nullptr) {

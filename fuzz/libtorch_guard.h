@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <unordered_set>
+#include <vector>
 
 namespace gwt_fuzz {
 
@@ -76,7 +77,7 @@ inline bool pickle_stream_out_of_range(const uint8_t* p, size_t n) {
       case '(': case '0': case '1': case '2': case '}': case ']': case ')': case 'a': case 'e':
       case 'b': case 'd': case 'l': case 't': case 0x85: case 0x86: case 0x87: case 0x88:
       case 0x89: case 'N': case 'R': case 's': case 'u': case 0x81: case 'Q': case 0x94:
-      case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93:
+      case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93: case 'o':
         break;
       case 0x80: ok = skip(1); break;                      // PROTO
       case 0x95: ok = skip(8); break;                      // FRAME
@@ -92,7 +93,7 @@ inline bool pickle_stream_out_of_range(const uint8_t* p, size_t n) {
       case 0x8d: case 0x8e: case 0x96: ok = counted(8); break;           // 8-byte lengths
       case 'q': case 'h': ok = memo(1); break;             // BINPUT, BINGET
       case 'r': case 'j': ok = memo(4); break;             // LONG_BINPUT, LONG_BINGET
-      case 'c': ok = line() && line(); break;              // GLOBAL
+      case 'c': case 'i': ok = line() && line(); break;    // GLOBAL, INST
       case 'I': case 'L': case 'S': case 'V': case 'F': case 'p': case 'g': case 'P':
         ok = line();
         break;
@@ -104,23 +105,37 @@ inline bool pickle_stream_out_of_range(const uint8_t* p, size_t n) {
   return false;
 }
 
-/// Whether any pickle record of the archive in `data` (data.pkl, constants.pkl, *.debug_pkl)
-/// fails pickle_stream_out_of_range. Bytes that are not a zip archive LibTorch opens say no:
-/// load_from rejects them itself.
+/// Whether any pickle record of the archive in `data` fails pickle_stream_out_of_range: data.pkl,
+/// constants.pkl and the code's *.debug_pkl (by listing, or where a damaged entry name makes the
+/// listing throw while load_from still reads the records it needs, by the names gwt's checkpoints
+/// use). Bytes that are not a zip archive LibTorch opens say no: load_from rejects them itself.
 inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   try {
-    caffe2::serialize::PyTorchStreamReader reader(
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
         std::make_shared<caffe2::serialize::MemoryReadAdapter>(data, static_cast<off_t>(size)));
-    for (const auto& name : reader.getAllRecords()) {
-      const bool pickle = name.size() >= 3 && name.compare(name.size() - 3, 3, "pkl") == 0;
-      if (!pickle) continue;
-      // The record's size is bounded by the input's (the zip reader checks what it inflates).
-      if (reader.getRecordSize(name) > (size_t{64} << 20)) return true;
-      const auto [ptr, bytes] = reader.getRecord(name);
-      if (pickle_stream_out_of_range(static_cast<const uint8_t*>(ptr.get()), bytes)) return true;
-    }
   } catch (const std::exception&) {
     return false;
+  }
+  std::vector<std::string> names;
+  try {
+    for (const auto& name : reader->getAllRecords())
+      if (name.size() >= 3 && name.compare(name.size() - 3, 3, "pkl") == 0) names.push_back(name);
+  } catch (const std::exception&) {
+    names = {"data.pkl", "constants.pkl", "code/__torch__.py.debug_pkl"};
+    for (int i = 0; i < 64; ++i)
+      names.push_back("code/__torch__/___torch_mangle_" + std::to_string(i) + ".py.debug_pkl");
+  }
+  for (const auto& name : names) {
+    try {
+      if (!reader->hasRecord(name)) continue;
+      // The record's size is bounded by the input's (the zip reader checks what it inflates).
+      if (reader->getRecordSize(name) > (size_t{64} << 20)) return true;
+      const auto [ptr, bytes] = reader->getRecord(name);
+      if (pickle_stream_out_of_range(static_cast<const uint8_t*>(ptr.get()), bytes)) return true;
+    } catch (const std::exception&) {
+      // A record the reader cannot read: load_from fails on it too (or never reads it).
+    }
   }
   return false;
 }

@@ -9,6 +9,7 @@
 # build-fuzz/fuzz/gwt_fuzz_<target> <file>) or could not run.
 #
 # Environment: GWT_FUZZ_BUILD (build dir, default build-fuzz), GWT_JOBS (build jobs),
+# GWT_FUZZ_RUNS=N (also stop a target after N executions, whichever of the two comes first),
 # GWT_FUZZ_MERGE=1 (merge the inputs that found new coverage back into fuzz/corpus/<target>),
 # GWT_FUZZ_NOTES=<dir> (inputs of the targets' notes, see fuzz/fuzz_util.h).
 set -euo pipefail
@@ -67,7 +68,9 @@ for t in "${targets[@]}"; do
   seeds=$(find "$corpus" -type f | wc -l)
   log="$work/$t.log"
   rc=0
-  "$build/fuzz/gwt_fuzz_$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 \
+  t_start=$(date +%s)
+  "$build/fuzz/gwt_fuzz_$t" -max_total_time="$seconds" ${GWT_FUZZ_RUNS:+-runs=$GWT_FUZZ_RUNS} \
+    -timeout=10 -rss_limit_mb=4096 \
     -print_final_stats=1 -artifact_prefix="$crashes_dir/$t-" "$corpus" >"$log" 2>&1 || rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *\([0-9]*\).*/\1/p' "$log" | tail -1)
@@ -81,7 +84,7 @@ for t in "${targets[@]}"; do
     tail -40 "$log" | sed 's/^/  | /'
     grep -h 'Test unit written to' "$log" | sed 's/.*written to /  input: /' || true
   else
-    echo "fuzz $t: $execs executions in $seconds s (${rate:-?}/s), 0 crashes, corpus $seeds -> $units inputs"
+    echo "fuzz $t: $execs executions in $(( $(date +%s) - t_start )) s (${rate:-?}/s), 0 crashes, corpus $seeds -> $units inputs"
   fi
   grep -h '^gwt fuzz note' "$log" | sed 's/^/  /' || true
   total_execs=$((total_execs + ${execs:-0}))

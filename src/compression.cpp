@@ -201,6 +201,40 @@ at::Tensor decompress_gradient(const CompressedGradient& c) {
                   c.detail_indices.size() == levels &&
                   (c.detail_masks.empty() || c.detail_masks.size() == levels),
               "gwt::decompress_gradient: an incomplete CompressedGradient");
+  // The subbands must be the ones wavedec gives for the recorded shape, or waverec would return a
+  // gradient of another shape (found by fuzz_compression on a damaged archive).
+  const auto rank = static_cast<int64_t>(c.shape.size());
+  TORCH_CHECK(rank >= 1 && c.dim >= -rank && c.dim < rank, "gwt::decompress_gradient: dim ", c.dim,
+              " is out of range for the recorded shape ", c10::IntArrayRef(c.shape),
+              " (valid: -", rank, " to ", rank - 1, "; a shape needs at least one dimension)");
+  const int64_t dim = c.dim < 0 ? c.dim + rank : c.dim;
+  TORCH_CHECK(std::all_of(c.shape.begin(), c.shape.end(), [](int64_t s) { return s >= 0; }),
+              "gwt::decompress_gradient: the recorded shape ", c10::IntArrayRef(c.shape),
+              " has a negative size");
+  TORCH_CHECK(c.level >= 1 && static_cast<size_t>(c.level) == levels,
+              "gwt::decompress_gradient: level ", c.level, " but ", levels, " detail subbands");
+  {
+    const Wavelet wavelet(c.wavelet);
+    const BoundaryMode mode = boundary_mode_from_string(c.boundary);
+    std::vector<int64_t> lengths = {c.shape[static_cast<size_t>(dim)]};  // finest first
+    for (int64_t l = 0; l < c.level; ++l)
+      lengths.push_back(dwt_coeff_len(lengths.back(), wavelet.length(), mode));
+    auto expected = [&](int64_t length) {
+      std::vector<int64_t> s = c.shape;
+      s[static_cast<size_t>(dim)] = length;
+      return s;
+    };
+    TORCH_CHECK(c.approx.sizes().vec() == expected(lengths.back()),
+                "gwt::decompress_gradient: the approximation has shape ", c.approx.sizes(),
+                " but a gradient of shape ", c10::IntArrayRef(c.shape), " at level ", c.level,
+                " has ", c10::IntArrayRef(expected(lengths.back())));
+    for (size_t k = 0; k < levels; ++k) {
+      const auto want = expected(lengths[levels - k]);  // coarsest first
+      TORCH_CHECK(c.detail_shapes[k] == want, "gwt::decompress_gradient: detail subband ", k,
+                  " has shape ", c10::IntArrayRef(c.detail_shapes[k]), " but should have ",
+                  c10::IntArrayRef(want));
+    }
+  }
   WaveletCoeffs coeffs;
   coeffs.approx = c.approx;
   for (size_t k = 0; k < levels; ++k) {
@@ -219,11 +253,6 @@ at::Tensor decompress_gradient(const CompressedGradient& c) {
     }
     coeffs.details.push_back(flat.view(c.detail_shapes[k]));
   }
-  const auto rank = static_cast<int64_t>(c.shape.size());
-  TORCH_CHECK(rank >= 1 && c.dim >= -rank && c.dim < rank, "gwt::decompress_gradient: dim ", c.dim,
-              " is out of range for the recorded shape ", c10::IntArrayRef(c.shape),
-              " (valid: -", rank, " to ", rank - 1, "; a shape needs at least one dimension)");
-  const int64_t dim = c.dim < 0 ? c.dim + rank : c.dim;
   return waverec(coeffs, c.wavelet, c.dim, boundary_mode_from_string(c.boundary), c.shape.at(dim));
 }
 

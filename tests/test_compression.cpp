@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -261,6 +262,17 @@ TEST(ThresholdScheduler, PerGroupRuleAndSaveLoadKeepTheCurrentValues) {
   EXPECT_NEAR(loaded.group_options(1).threshold(), 1.6, 1e-15);
 }
 
+// Expects `fn` to throw a c10::Error whose message contains `words`.
+void expect_words(const std::function<void()>& fn, const std::string& words) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning " << words;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(words), std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
 TEST(ThresholdScheduler, ABadRuleValueChangesNoGroupAndDoesNotAdvance) {
   // apply() set the groups in order: a rule failing for group 1 had already changed group 0, and
   // step() had advanced step_count(). Now every value is checked before any is set.
@@ -340,6 +352,18 @@ TEST(CompressedGradient, BadThresholdAndOutOfRangeDimAreCleanErrors) {
   auto empty = c;
   empty.shape.clear();
   EXPECT_THROW(gwt::decompress_gradient(empty), c10::Error);
+  // Subbands that do not belong to the recorded shape (found by fuzz_compression: waverec then
+  // returned a gradient of another shape than the one recorded).
+  auto short_approx = c;
+  short_approx.approx = c.approx.narrow(0, 0, 3).contiguous();
+  expect_words([&] { gwt::decompress_gradient(short_approx); }, "the approximation has shape [3, 8]");
+  auto wrong_level = c;
+  wrong_level.level = 3;
+  expect_words([&] { gwt::decompress_gradient(wrong_level); }, "level 3 but 2 detail subbands");
+  auto wrong_detail = gwt::compress_gradient(g, "haar", 2, 1.0, "hard", -1, gwt::BoundaryMode::zero,
+                                             "bitmask");
+  wrong_detail.detail_shapes[1] = {4, 8};
+  expect_words([&] { gwt::decompress_gradient(wrong_detail); }, "detail subband 1 has shape [4, 8]");
 }
 
 struct StackImpl : torch::nn::Module {

@@ -4,6 +4,7 @@
 /// Umbrella header of gwt: wavelet-compressed Adam for LibTorch.
 
 #include "gwt/compression.h"
+#include "gwt/nn/delta_linear.h"
 #include "gwt/nn/low_rank_linear.h"
 #include "gwt/optim/galore_adam.h"
 #include "gwt/optim/param_groups.h"

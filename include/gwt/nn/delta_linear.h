@@ -1,0 +1,157 @@
+#pragma once
+
+/// \file
+/// gwt::nn::DeltaLinear: a frozen linear layer adapted by Householder reflections on its input side
+/// (HRA, "Householder Reflection Adaptation", NeurIPS 2024) and by a low-rank delta with an optional
+/// orthogonal core (LoRA when the core is the identity):
+///
+///     y = x (W H_1 ... H_r)^T + (alpha / k0) x (U Q V^T)^T + b
+///
+/// with H_i = I - 2 u_i u_i^T / (u_i^T u_i) (u_i = column i of `reflections` [in, r]; H_1 first),
+/// Q = H'_1 ... H'_k (column j of `core` [k, k] is the j-th Householder vector) or Q = I, U [out, k],
+/// V [in, k], and k0 the rank the layer was made with (resize_rank keeps the scale alpha / k0, so a
+/// resize never rescales the delta). The base's `weight` [out, in] and `bias` [out] are frozen
+/// unless train_base(true).
+///
+/// Products of reflections are applied in the compact WY form I - Y T Y^T (Schreiber and Van Loan),
+/// built from the normalised vectors: two matrix products with [in, r] factors per application,
+/// never an [in, in] matrix. With gram_schmidt(true) the vectors are orthonormalised in order first
+/// (modified Gram-Schmidt), and the product is HRA's I - 2 Q Q^T.
+///
+/// Start: V is random and U zero, so the delta starts at exactly zero and a layer without
+/// reflections computes what its base computes, bit for bit. Reflections start in equal pairs
+/// (u_{2j} = u_{2j+1}, so H_{2j} H_{2j+1} = I): with an even r the layer starts equal to its base
+/// to rounding. An odd r cannot start at the identity (a single reflection never is one): the
+/// first r - 1 vectors are paired and the last is random, so the layer starts as W H_r, an
+/// orthogonal change of the base that keeps its singular values (PEFT's HRA warns likewise).
+/// gram_schmidt(true) needs independent vectors (a pair orthonormalises to a zero vector), so all r
+/// are random: such a layer starts as W (I - 2 Q Q^T), never as its base. The core starts in pairs
+/// too (Q = I for even k; for odd k one reflection, which the zero U hides).
+///
+/// bfloat16/float16 inputs: the adapter's own parameters are float32 and the whole adapted product
+/// is computed in float32, then rounded to the input's dtype.
+
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace gwt {
+namespace nn {
+
+struct DeltaLinearOptions {
+  DeltaLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  /// k: the low-rank delta's rank, in [0, min(in, out)] (0: no delta).
+  TORCH_ARG(int64_t, rank) = 0;
+  /// r: Householder reflections on the input side, in [0, in] (0: none).
+  TORCH_ARG(int64_t, reflections) = 0;
+  /// Q = H'_1 ... H'_k between U and V^T; false: Q = I (LoRA).
+  TORCH_ARG(bool, orthogonal_core) = false;
+  /// The delta's scale is alpha / k at construction; 0 means alpha = k (scale 1).
+  TORCH_ARG(double, alpha) = 0;
+  /// HRA's Gram-Schmidt form W (I - 2 Q Q^T), Q the orthonormalised reflection vectors.
+  TORCH_ARG(bool, gram_schmidt) = false;
+  /// Train the base weight and bias as well (they are frozen by default).
+  TORCH_ARG(bool, train_base) = false;
+};
+
+/// orthogonality_error(): ||P^T P - I||_F of the reflection product and of the core (0 when absent).
+struct OrthogonalityError {
+  double reflections = 0;
+  double core = 0;
+};
+
+class DeltaLinearImpl : public torch::nn::Module {
+ public:
+  /// Adapts `base` (its weight and bias are shared, not copied, and frozen unless train_base).
+  DeltaLinearImpl(torch::nn::Linear base, DeltaLinearOptions options);
+
+  /// x [..., in] -> [..., out], in x's dtype.
+  at::Tensor forward(const at::Tensor& x);
+
+  /// A plain torch::nn::Linear with W H_1 ... H_r + (alpha / k0) U Q V^T as its weight (in the
+  /// base's dtype) and the base's bias: the same output to rounding.
+  torch::nn::Linear merge() const;
+
+  /// The dense [out, in] change merge() adds to W H (zeros when rank is 0), float64 if W is.
+  at::Tensor delta_weight() const;
+
+  OrthogonalityError orthogonality_error() const;
+  /// HRA's regulariser lambda * ||I - N^T N||_F^2, N the reflection vectors normalised to unit
+  /// length (0 without reflections): a tensor to add to the loss.
+  at::Tensor orthogonality_penalty(double lambda) const;
+
+  /// Changes the delta's rank to k_new in [0, min(in, out)] and returns the relative
+  /// reconstruction error ||delta - delta'||_F / ||delta||_F (0 when growing or unchanged, and for
+  /// a zero delta). Growing appends zero columns to U (random ones to V; the core gains paired
+  /// vectors on the new coordinates only): the function is unchanged, and until U's new columns
+  /// change the forward computes the output from the kept columns alone, so it stays bit-identical.
+  /// Shrinking keeps the best rank-k_new approximation (truncated SVD of U Q V^T, in float64): U
+  /// and V are replaced and the core restarts at its paired start. The parameters keep their
+  /// identity (their tensors are resized in place), so an optimizer still holds them; their
+  /// gradients are reset.
+  double resize_rank(int64_t k_new);
+
+  const DeltaLinearOptions& options() const { return options_; }
+  int64_t rank() const { return options_.rank(); }
+  /// alpha / k0, fixed at construction.
+  double scaling() const { return scaling_; }
+  /// Parameters that train (the adapter's, and the base's with train_base).
+  int64_t trainable_parameter_count() const;
+
+  at::Tensor weight, bias;                  // the base's (bias undefined without one)
+  at::Tensor U, V, reflections, core;       // undefined when not used
+
+ private:
+  at::Tensor adapted(const at::Tensor& x, int64_t kept) const;
+  DeltaLinearOptions options_;
+  double scaling_ = 1;
+  int64_t zero_from_ = -1;  // U's columns from here on were zero at the last growth
+};
+TORCH_MODULE(DeltaLinear);
+
+/// Which Linear submodules add_delta_adapters replaces: sees the qualified name ("blocks.0.q").
+using NameFilter = std::function<bool(const std::string& name)>;
+
+/// Replaces every torch::nn::Linear submodule of `module` whose qualified name passes `filter`
+/// by a DeltaLinear over it (in/out features taken from each layer; the rest from `options`), in
+/// place. Returns the new adapters by qualified name. Holders that keep their own copy of a
+/// replaced submodule (a member torch::nn::Linear) keep the base: the module's forward must look
+/// its layers up by name, or use the returned adapters (see the README).
+std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
+    torch::nn::Module& module, const DeltaLinearOptions& options, const NameFilter& filter);
+
+/// Replaces every DeltaLinear submodule by its merge(); returns how many were merged.
+int64_t merge_delta_adapters(torch::nn::Module& module);
+
+/// Learning-rate multipliers of delta_param_groups (the source's ranges: U and V at 3-5x the base
+/// lr, reflection vectors at 0.1-0.5x).
+struct DeltaLrMultipliers {
+  double base = 1.0;
+  double low_rank = 3.0;
+  double reflections = 0.25;
+  double core = 0.25;
+};
+
+/// Parameter groups of `module`: trainable base weights (and every other trainable parameter) at
+/// lr, U and V at low_rank x lr, reflection vectors at reflections x lr, core vectors at core x lr.
+/// `make_options(lr)` builds each group's options (e.g. torch::optim::AdamWOptions or
+/// gwt::WaveletAdamOptions); empty groups are left out; frozen parameters are not included.
+std::vector<torch::optim::OptimizerParamGroup> delta_param_groups(
+    const torch::nn::Module& module, double lr,
+    const std::function<std::unique_ptr<torch::optim::OptimizerOptions>(double lr)>& make_options,
+    const DeltaLrMultipliers& multipliers = {});
+
+}  // namespace nn
+}  // namespace gwt

@@ -1,0 +1,400 @@
+// gwt::nn::DeltaLinear: HRA reflections, the low-rank delta with and without an orthogonal core,
+// merging, rank changes, whole-model wrapping, learning-rate groups and bad input.
+//
+// Exactness is tested in float64, against dense products computed here from the definitions
+// (H_i = I - 2 u u^T / u^T u multiplied out as [in, in] matrices, which the layer never forms) and
+// against NumPy's values in tests/data/delta_hra_golden.txt (tests/gen_delta_golden.py). The
+// float64 tolerances are ~1e4 ulps of the O(1) values involved: each quantity is a handful of
+// products of O(1) matrices of size <= 64, whose rounding error is ~1e-14.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gwt/gwt.h"
+#include "test_util.h"
+
+namespace {
+
+using gwt::nn::DeltaLinear;
+using gwt::nn::DeltaLinearOptions;
+using gwt_test::max_abs_diff;
+
+// Expects `fn` to throw a c10::Error whose message contains `words`.
+void expect_error(const std::function<void()>& fn, const std::string& words) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning " << words;
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find(words), std::string::npos) << "'" << words << "' not in: " << msg;
+  }
+}
+
+torch::nn::Linear make_base(int64_t in, int64_t out, at::ScalarType dtype = at::kDouble) {
+  torch::nn::Linear base(torch::nn::LinearOptions(in, out));
+  base->to(dtype);
+  return base;
+}
+
+// H_1 ... H_r multiplied out densely from the columns of u [in, r].
+at::Tensor dense_reflections(const at::Tensor& u) {
+  const int64_t n = u.size(0);
+  at::Tensor h = at::eye(n, u.options());
+  for (int64_t i = 0; i < u.size(1); ++i) {
+    const at::Tensor v = u.narrow(1, i, 1);
+    h = at::matmul(h, at::eye(n, u.options()) - 2 * at::matmul(v, v.t()) / at::matmul(v.t(), v));
+  }
+  return h;
+}
+
+// I - 2 Q Q^T, Q the columns of u orthonormalised in order (classical Gram-Schmidt, written out).
+at::Tensor dense_gram_schmidt(const at::Tensor& u) {
+  std::vector<at::Tensor> q;
+  for (int64_t i = 0; i < u.size(1); ++i) {
+    at::Tensor v = u.select(1, i).clone();
+    for (const auto& prev : q) v -= at::dot(prev, u.select(1, i)) * prev;
+    q.push_back(v / v.norm());
+  }
+  const at::Tensor qm = at::stack(q, 1);
+  return at::eye(u.size(0), u.options()) - 2 * at::matmul(qm, qm.t());
+}
+
+// The layer's function written densely: x (W H)^T + s x (U Q V^T)^T + b.
+at::Tensor dense_forward(const DeltaLinear& layer, const at::Tensor& x) {
+  at::Tensor w = layer->weight;
+  if (layer->reflections.defined())
+    w = at::matmul(w, layer->options().gram_schmidt() ? dense_gram_schmidt(layer->reflections)
+                                                      : dense_reflections(layer->reflections));
+  if (layer->U.defined()) {
+    const at::Tensor q = layer->core.defined() ? dense_reflections(layer->core)
+                                               : at::eye(layer->U.size(1), x.options());
+    w = w + layer->scaling() * at::matmul(at::matmul(layer->U, q), layer->V.t());
+  }
+  at::Tensor y = at::matmul(x, w.t());
+  return layer->bias.defined() ? y + layer->bias : y;
+}
+
+void randomize(DeltaLinear& layer) {
+  at::NoGradGuard no_grad;
+  for (auto& p : layer->parameters())
+    if (p.requires_grad()) p.copy_(at::randn(p.sizes(), p.options()));
+}
+
+TEST(DeltaLinear, HraForwardMatchesNumPy) {
+  // Golden values from NumPy (tests/gen_delta_golden.py): W, b, u_i, x and y = x (W H_1..H_r)^T + b
+  // with the reflections multiplied out densely there, for r = 1..4 and Gram-Schmidt on and off.
+  const auto records = gwt_test::read_records("delta_hra_golden.txt", "case");
+  ASSERT_EQ(records.size(), 6u);
+  for (const auto& rec : records) {
+    const int64_t in = std::stoll(rec.header[0]), out = std::stoll(rec.header[1]),
+                  r = std::stoll(rec.header[2]), batch = std::stoll(rec.header[3]);
+    const bool gs = rec.header[4] == "1";
+    torch::nn::Linear base = make_base(in, out);
+    {
+      at::NoGradGuard no_grad;
+      base->weight.copy_(gwt_test::to_tensor(rec.rows.at("W")).view({out, in}));
+      base->bias.copy_(gwt_test::to_tensor(rec.rows.at("b")));
+    }
+    DeltaLinear layer(base, DeltaLinearOptions(in, out).reflections(r).gram_schmidt(gs));
+    {
+      at::NoGradGuard no_grad;
+      layer->reflections.copy_(gwt_test::to_tensor(rec.rows.at("u")).view({in, r}));
+    }
+    const at::Tensor x = gwt_test::to_tensor(rec.rows.at("x")).view({batch, in});
+    const at::Tensor y = gwt_test::to_tensor(rec.rows.at("y")).view({batch, out});
+    EXPECT_LE(max_abs_diff(layer->forward(x), y), 1e-12) << "r " << r << " gs " << gs;
+  }
+}
+
+TEST(DeltaLinear, ForwardEqualsTheDenseProductForEveryVariant) {
+  at::manual_seed(1);
+  for (int64_t r : {0, 1, 2, 5, 8})
+    for (bool gs : {false, true})
+      for (int64_t k : {0, 3, 8})
+        for (bool core : {false, true}) {
+          torch::nn::Linear base = make_base(24, 16);
+          DeltaLinear layer(base, DeltaLinearOptions(24, 16).reflections(r).gram_schmidt(gs).rank(k)
+                                      .orthogonal_core(core).alpha(2.0));
+          randomize(layer);
+          const at::Tensor x = at::randn({5, 3, 24}, at::kDouble);
+          EXPECT_LE(max_abs_diff(layer->forward(x), dense_forward(layer, x)), 1e-12)
+              << "r " << r << " gs " << gs << " k " << k << " core " << core;
+        }
+}
+
+TEST(DeltaLinear, StartsAtItsBase) {
+  at::manual_seed(2);
+  const at::Tensor x = at::randn({7, 32}, at::kDouble);
+  // Paired reflections (even r): H_{2j} H_{2j+1} = I, to rounding.
+  for (int64_t r : {2, 8, 16}) {
+    torch::nn::Linear base = make_base(32, 12);
+    DeltaLinear layer(base, DeltaLinearOptions(32, 12).reflections(r).rank(4).orthogonal_core(true));
+    EXPECT_LE(max_abs_diff(layer->forward(x), base->forward(x)), 1e-12) << "r " << r;
+    EXPECT_LE(max_abs_diff(layer->merge()->weight, base->weight), 1e-12);
+  }
+  // A delta-only adapter: U = 0, so it computes exactly what its base computes, in any dtype.
+  for (auto dtype : {at::kDouble, at::kFloat}) {
+    torch::nn::Linear base = make_base(32, 12, dtype);
+    for (bool core : {false, true}) {
+      DeltaLinear layer(base, DeltaLinearOptions(32, 12).rank(8).orthogonal_core(core));
+      EXPECT_TRUE(at::equal(layer->forward(x.to(dtype)), base->forward(x.to(dtype))));
+    }
+  }
+  // An odd r starts as W H_r: orthogonal, so the base's singular values are kept, not its output.
+  torch::nn::Linear base = make_base(32, 12);
+  DeltaLinear odd(base, DeltaLinearOptions(32, 12).reflections(3));
+  EXPECT_GT(max_abs_diff(odd->forward(x), base->forward(x)), 1e-3);
+  EXPECT_LE(max_abs_diff(at::linalg_svdvals(odd->merge()->weight), at::linalg_svdvals(base->weight)),
+            1e-12);
+}
+
+TEST(DeltaLinear, MergeEqualsTheAdapter) {
+  at::manual_seed(3);
+  for (auto dtype : {at::kDouble, at::kFloat}) {
+    for (bool gs : {false, true}) {
+      torch::nn::Linear base = make_base(40, 24, dtype);
+      DeltaLinear layer(base, DeltaLinearOptions(40, 24).reflections(6).gram_schmidt(gs).rank(8)
+                                  .orthogonal_core(true).alpha(16));
+      randomize(layer);
+      const at::Tensor x = at::randn({9, 40}, dtype);
+      const at::Tensor y = layer->forward(x);
+      torch::nn::Linear merged = layer->merge();
+      EXPECT_EQ(merged->weight.scalar_type(), dtype);
+      const at::Tensor ym = merged->forward(x);
+      // float32: both sides round O(1) products of length <= 40 (~40 ulps), and the merged side
+      // rounds its weight once more: 1e-5 of the output's scale leaves a ~20x margin.
+      const double tol = dtype == at::kDouble ? 1e-12 : 1e-5;
+      const double scale = y.abs().max().item<double>();
+      EXPECT_LE(max_abs_diff(ym, y), tol * scale) << "dtype " << dtype << " gs " << gs;
+    }
+  }
+}
+
+TEST(DeltaLinear, GradientsMatchFiniteDifferences) {
+  at::manual_seed(4);
+  torch::nn::Linear base = make_base(10, 7);
+  DeltaLinear layer(base, DeltaLinearOptions(10, 7).reflections(3).rank(4).orthogonal_core(true)
+                              .train_base(true));
+  randomize(layer);
+  const at::Tensor x = at::randn({6, 10}, at::kDouble);
+  const at::Tensor weights = at::randn({6, 7}, at::kDouble);
+  auto loss = [&] { return (layer->forward(x) * weights).sum(); };
+  layer->zero_grad();
+  loss().backward();
+  // Central differences: truncation h^2 f''' ~ 1e-12, rounding 1e-16 / h ~ 1e-10 with h = 1e-6;
+  // 1e-7 relative to the largest gradient is far above both.
+  const double h = 1e-6;
+  for (const auto& item : layer->named_parameters()) {
+    at::Tensor p = item.value();
+    const at::Tensor grad = p.grad().clone();
+    const double gmax = grad.abs().max().item<double>();
+    const at::Tensor flat = p.detach().view({-1});
+    for (int64_t i = 0; i < flat.numel(); i += std::max<int64_t>(1, flat.numel() / 7)) {
+      const double orig = flat[i].item<double>();
+      double up, down;
+      {
+        at::NoGradGuard no_grad;
+        flat[i] = orig + h;
+        up = loss().item<double>();
+        flat[i] = orig - h;
+        down = loss().item<double>();
+        flat[i] = orig;
+      }
+      EXPECT_NEAR(grad.view({-1})[i].item<double>(), (up - down) / (2 * h), 1e-7 * std::max(1.0, gmax))
+          << item.key() << "[" << i << "]";
+    }
+  }
+}
+
+// A few AdamW steps on a regression towards a random linear map, so that every part moves.
+void train(DeltaLinear& layer, int steps, double lr = 1e-2) {
+  torch::optim::AdamW opt(layer->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0));
+  const int64_t in = layer->options().in_features(), out = layer->options().out_features();
+  const at::Tensor target = at::randn({out, in}, at::kDouble);
+  for (int t = 0; t < steps; ++t) {
+    const at::Tensor x = at::randn({16, in}, at::kDouble);
+    opt.zero_grad();
+    (layer->forward(x) - at::matmul(x, target.t())).pow(2).mean().backward();
+    opt.step();
+  }
+}
+
+TEST(DeltaLinear, GrowingTheRankLeavesOutputsBitIdenticalAndTrainingContinues) {
+  at::manual_seed(5);
+  for (bool core : {false, true}) {
+    torch::nn::Linear base = make_base(32, 24);
+    DeltaLinear layer(base, DeltaLinearOptions(32, 24).rank(8).orthogonal_core(core).reflections(2));
+    train(layer, 5);
+    const at::Tensor x = at::randn({11, 32}, at::kDouble);
+    const at::Tensor before = layer->forward(x).detach();
+    at::Tensor* u_identity = &layer->U;
+    const auto* impl = layer->U.unsafeGetTensorImpl();
+    EXPECT_EQ(layer->resize_rank(16), 0.0);
+    EXPECT_EQ(layer->rank(), 16);
+    EXPECT_EQ(layer->U.sizes(), (c10::IntArrayRef{24, 16}));
+    EXPECT_EQ(layer->U.unsafeGetTensorImpl(), impl);  // the same parameter, resized
+    EXPECT_EQ(u_identity, &layer->U);
+    EXPECT_TRUE(at::equal(layer->forward(x), before)) << "core " << core;
+    {
+      at::NoGradGuard no_grad;
+      EXPECT_TRUE(at::equal(layer->forward(x), before));
+    }
+    // The new columns get gradients: training moves them.
+    layer->zero_grad();
+    layer->forward(x).pow(2).sum().backward();
+    EXPECT_GT(layer->U.grad().narrow(1, 8, 8).abs().max().item<double>(), 0);
+    train(layer, 3);
+    EXPECT_GT(layer->U.detach().narrow(1, 8, 8).abs().max().item<double>(), 0);
+    EXPECT_LE(max_abs_diff(layer->forward(x), dense_forward(layer, x)), 1e-12);
+  }
+}
+
+TEST(DeltaLinear, ShrinkingReportsTheExactTruncationError) {
+  at::manual_seed(6);
+  for (bool core : {false, true}) {
+    torch::nn::Linear base = make_base(30, 20);
+    DeltaLinear layer(base, DeltaLinearOptions(30, 20).rank(12).orthogonal_core(core));
+    randomize(layer);
+    const at::Tensor delta = layer->delta_weight().detach();
+    const at::Tensor s = at::linalg_svdvals(delta);
+    const double expected =
+        std::sqrt(s.narrow(0, 5, s.size(0) - 5).pow(2).sum().item<double>() / s.pow(2).sum().item<double>());
+    const double reported = layer->resize_rank(5);
+    EXPECT_EQ(layer->U.sizes(), (c10::IntArrayRef{20, 5}));
+    EXPECT_EQ(layer->V.sizes(), (c10::IntArrayRef{30, 5}));
+    const double actual = ((layer->delta_weight() - delta).norm() / delta.norm()).item<double>();
+    EXPECT_NEAR(reported, expected, 1e-12);
+    EXPECT_NEAR(actual, expected, 1e-12);
+    EXPECT_GT(expected, 0.1);  // a real truncation, not a no-op
+    const at::Tensor x = at::randn({4, 30}, at::kDouble);
+    EXPECT_LE(max_abs_diff(layer->forward(x), dense_forward(layer, x)), 1e-12);
+  }
+}
+
+TEST(DeltaLinear, ProductsStayOrthogonalThroughTraining) {
+  at::manual_seed(7);
+  for (bool gs : {false, true}) {
+    torch::nn::Linear base = make_base(24, 16);
+    DeltaLinear layer(base, DeltaLinearOptions(24, 16).reflections(6).gram_schmidt(gs).rank(6)
+                                .orthogonal_core(true));
+    train(layer, 100);
+    const auto e = layer->orthogonality_error();
+    EXPECT_LE(e.reflections, 1e-12) << "gs " << gs;
+    EXPECT_LE(e.core, 1e-12);
+    // HRA's regulariser: lambda ||I - N^T N||^2 of the unit vectors, differentiable.
+    const at::Tensor pen = layer->orthogonality_penalty(0.5);
+    const at::Tensor n = layer->reflections / layer->reflections.norm(2, {0}, true);
+    EXPECT_NEAR(pen.item<double>(),
+                0.5 * (at::eye(6, at::kDouble) - at::matmul(n.t(), n)).pow(2).sum().item<double>(), 1e-12);
+    EXPECT_TRUE(pen.requires_grad());
+  }
+}
+
+TEST(DeltaLinear, ReducedPrecisionInputsComputeInFloat32) {
+  at::manual_seed(8);
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    torch::nn::Linear base = make_base(32, 16, dtype);
+    DeltaLinear layer(base, DeltaLinearOptions(32, 16).reflections(4).rank(4));
+    EXPECT_EQ(layer->reflections.scalar_type(), at::kFloat);
+    randomize(layer);
+    const at::Tensor x = at::randn({5, 32}).to(dtype);
+    const at::Tensor y = layer->forward(x);
+    EXPECT_EQ(y.scalar_type(), dtype);
+    // The float64 value of the same function, rounded once to the dtype: within 2 ulps of it.
+    at::Tensor wd = layer->weight.to(at::kDouble);
+    const at::Tensor yd = layer->forward(x.to(at::kFloat)).to(at::kDouble);
+    const double ulp = dtype == at::kBFloat16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+    EXPECT_LE(((y.to(at::kDouble) - yd).abs() / yd.abs().clamp_min(1e-3)).max().item<double>(), 2 * ulp);
+  }
+}
+
+TEST(DeltaLinear, BadInputIsAClearErrorWithNothingChanged) {
+  torch::nn::Linear base = make_base(8, 6);
+  expect_error([&] { DeltaLinear(base, DeltaLinearOptions(8, 6).rank(-1)); }, "invalid rank -1");
+  expect_error([&] { DeltaLinear(base, DeltaLinearOptions(8, 6).rank(7)); }, "min(in, out) = 6");
+  expect_error([&] { DeltaLinear(base, DeltaLinearOptions(8, 6).reflections(9)); }, "in = 8");
+  expect_error([&] { DeltaLinear(base, DeltaLinearOptions(6, 8)); }, "options say in 6, out 8");
+  expect_error([&] { DeltaLinear(base, DeltaLinearOptions(8, 6).alpha(-1)); }, "invalid alpha");
+  expect_error([&] { DeltaLinear(torch::nn::Linear(nullptr), DeltaLinearOptions(8, 6)); }, "empty");
+  EXPECT_TRUE(base->weight.requires_grad());  // a failed construction froze nothing
+  DeltaLinear layer(base, DeltaLinearOptions(8, 6).rank(2));
+  EXPECT_FALSE(base->weight.requires_grad());
+  expect_error([&] { layer->forward(at::randn({3, 7}, at::kDouble)); }, "in_features = 8");
+  expect_error([&] { layer->forward(at::ones({3, 8}, at::kLong)); }, "floating point");
+  expect_error([&] { layer->forward(at::randn({3, 8}, at::TensorOptions(at::kMeta).dtype(at::kDouble))); },
+               "is on meta");
+  const at::Tensor u = layer->U.detach().clone();
+  expect_error([&] { layer->resize_rank(7); }, "invalid rank 7");
+  EXPECT_TRUE(at::equal(layer->U, u));
+  EXPECT_EQ(layer->rank(), 2);
+  // add_delta_adapters checks every layer first: nothing is replaced when one cannot take it.
+  torch::nn::Sequential seq(torch::nn::Linear(16, 16), torch::nn::Linear(16, 4));
+  expect_error([&] { gwt::nn::add_delta_adapters(*seq, DeltaLinearOptions(0, 0).rank(8), nullptr); },
+               "nothing was replaced");
+  for (const auto& child : seq->children())
+    EXPECT_TRUE(std::dynamic_pointer_cast<torch::nn::LinearImpl>(child) != nullptr);
+}
+
+TEST(DeltaAdapters, WrapAModelTrainAndMergeBack) {
+  at::manual_seed(9);
+  torch::nn::Sequential model(torch::nn::Linear(12, 16), torch::nn::Linear(16, 16),
+                              torch::nn::Linear(16, 3));
+  model->to(at::kDouble);
+  const at::Tensor x = at::randn({5, 12}, at::kDouble);
+  const at::Tensor before = model->forward(x).detach();
+  const auto adapters = gwt::nn::add_delta_adapters(
+      *model, DeltaLinearOptions(0, 0).rank(4).reflections(2),
+      [](const std::string& name) { return name != "2"; });
+  ASSERT_EQ(adapters.size(), 2u);
+  EXPECT_EQ(adapters[0].first, "0");
+  EXPECT_EQ(adapters[1].first, "1");
+  EXPECT_LE(max_abs_diff(model->forward(x), before), 1e-12);  // paired start
+  // Trainable: the adapters' parameters and the head that was not wrapped.
+  int64_t trainable = 0;
+  for (const auto& p : model->parameters()) trainable += p.requires_grad() ? p.numel() : 0;
+  EXPECT_EQ(trainable, (16 * 4 + 12 * 4 + 12 * 2) + (16 * 4 + 16 * 4 + 16 * 2) + (16 * 3 + 3));
+  // Learning-rate groups: base (the head) at lr, U/V at 3x, reflections at 0.25x.
+  auto groups = gwt::nn::delta_param_groups(*model, 1e-2, [](double lr) {
+    return std::make_unique<torch::optim::AdamWOptions>(lr);
+  });
+  ASSERT_EQ(groups.size(), 3u);
+  EXPECT_DOUBLE_EQ(groups[0].options().get_lr(), 1e-2);
+  EXPECT_EQ(groups[0].params().size(), 2u);
+  EXPECT_DOUBLE_EQ(groups[1].options().get_lr(), 3e-2);
+  EXPECT_EQ(groups[1].params().size(), 4u);
+  EXPECT_DOUBLE_EQ(groups[2].options().get_lr(), 2.5e-3);
+  torch::optim::AdamW opt(std::move(groups));
+  EXPECT_DOUBLE_EQ(opt.param_groups()[1].options().get_lr(), 3e-2);  // the groups' own options
+  for (int t = 0; t < 5; ++t) {
+    opt.zero_grad();
+    model->forward(x).pow(2).sum().backward();
+    opt.step();
+  }
+  const at::Tensor adapted = model->forward(x).detach();
+  EXPECT_GT(max_abs_diff(adapted, before), 1e-4);
+  EXPECT_EQ(gwt::nn::merge_delta_adapters(*model), 2);
+  for (const auto& child : model->children())
+    EXPECT_TRUE(std::dynamic_pointer_cast<torch::nn::LinearImpl>(child) != nullptr);
+  EXPECT_LE(max_abs_diff(model->forward(x), adapted), 1e-12);
+  // WaveletAdam takes the same groups (U and V are matrices: their state is compressed too).
+  gwt::nn::add_delta_adapters(*model, DeltaLinearOptions(0, 0).rank(8),
+                              [](const std::string& name) { return name != "2"; });
+  gwt::WaveletAdam wopt(gwt::nn::delta_param_groups(*model, 1e-3, [](double lr) {
+    return std::make_unique<gwt::WaveletAdamOptions>(gwt::WaveletAdamOptions(lr).min_size(0));
+  }));
+  ASSERT_EQ(wopt.param_groups().size(), 2u);
+  EXPECT_DOUBLE_EQ(wopt.group_options(0).lr(), 1e-3);
+  EXPECT_DOUBLE_EQ(wopt.group_options(1).lr(), 3e-3);
+  EXPECT_TRUE(wopt.is_wavelet_param(model->named_parameters()["1.U"]));
+}
+
+}  // namespace
