@@ -361,7 +361,15 @@ void checked_step(WaveletAdam& opt, const std::vector<at::Tensor>& params,
                               gwt_fuzz::all_finite(b.exp_avg_sq) && gwt_fuzz::all_finite(b.norm);
     if (options[i] != nullptr && state_finite && within(bounds[i], b.param, *options[i], b.exp_avg_sq))
       fail("finite, bounded inputs gave a non-finite parameter or moment (parameter " +
-           std::to_string(i) + ", step " + std::to_string(a.step) + ")\n" + describe(params, opt));
+           std::to_string(i) + ", step " + std::to_string(a.step) + "; finite: param " +
+           std::to_string(gwt_fuzz::all_finite(a.param)) + ", exp_avg " +
+           std::to_string(gwt_fuzz::all_finite(a.exp_avg)) + ", exp_avg_sq " +
+           std::to_string(gwt_fuzz::all_finite(a.exp_avg_sq)) + ", norm " +
+           std::to_string(gwt_fuzz::all_finite(a.norm)) + " (" +
+           (a.norm.defined() ? std::to_string(a.norm.to(at::kDouble).item<double>()) : "none") +
+           "), norm before " +
+           (b.norm.defined() ? std::to_string(b.norm.to(at::kDouble).item<double>()) : "none") +
+           ")\n" + describe(params, opt));
     if (inputs_finite && options[i] != nullptr) {
       const auto& o = *options[i];
       const std::string key = std::string("nonfinite-") + c10::toString(b.param.scalar_type()) +

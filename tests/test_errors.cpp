@@ -398,6 +398,40 @@ void load_bytes(WaveletAdam& opt, const std::string& bytes) {
   torch::load(opt, in);
 }
 
+TEST(Errors, LoadRejectsOptionsThatDoNotFitTheModelsDtype) {
+  // Found by fuzz_load (GaLoreAdam; WaveletAdam shares the check): options valid for the float64
+  // model they were saved with (lr 1e300) loaded into a float32 model, whose step() then threw.
+  // load() makes the step's checks for every parameter, with state or without.
+  at::Tensor wide = at::randn({8, 32}, at::kDouble).requires_grad_(true);
+  WaveletAdam saved({wide}, WaveletAdamOptions(1e300));
+  wide.mutable_grad() = at::randn({8, 32}, at::kDouble);
+  saved.step();
+  const std::string bytes = saved_bytes(saved);
+  for (bool stepped : {false, true}) {
+    at::Tensor narrow = at::randn({8, 32}).requires_grad_(true);
+    WaveletAdam opt({narrow}, WaveletAdamOptions(0.01));
+    if (stepped) {
+      narrow.mutable_grad() = at::randn({8, 32});
+      opt.step();
+    }
+    const std::string before = saved_bytes(opt);
+    expect_error([&] { load_bytes(opt, bytes); }, {"does not fit float32", "Float parameter"});
+    EXPECT_EQ(saved_bytes(opt), before);
+    EXPECT_DOUBLE_EQ(opt.group_options(0).lr(), 0.01);
+  }
+}
+
+TEST(Errors, NormGrowthLimitBelowTheSmallestNormalFloatIsRejected) {
+  // Found by fuzz_step: 1e-300 > 0 enables the limiter, but is 0 in the float32 math, where the
+  // limit max(ratio, 0) / 0 made the stored norm NaN.
+  const at::Tensor p = at::randn({4, 8}).requires_grad_(true);
+  for (double bad : {1e-300, 1e-39})
+    expect_error([&] { WaveletAdam opt({p}, WaveletAdamOptions().norm_growth_limit(bad)); },
+                 {"invalid norm_growth_limit", "smallest normal float32"});
+  EXPECT_NO_THROW(WaveletAdam({p}, WaveletAdamOptions().norm_growth_limit(0)));
+  EXPECT_NO_THROW(WaveletAdam({p}, WaveletAdamOptions().norm_growth_limit(1.01)));
+}
+
 // A checkpoint in the gwt.WaveletAdam.v1 layout written here by hand, as WaveletAdam::save wrote
 // it before the per-parameter dtype entries existed: one group, every parameter with state.
 std::string handwritten_checkpoint(const WaveletAdamOptions& options,

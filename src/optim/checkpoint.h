@@ -64,13 +64,15 @@ void save_checkpoint(const torch::optim::Optimizer& optimizer,
 
 /// Reads a checkpoint written by save_checkpoint into `optimizer` after checking all of it.
 /// `prepare(state, param, options)` checks one parameter's state against its options (throwing
-/// if it does not fit) and moves it to the parameter's device and dtypes. Returns the counters.
-template <typename Options, typename State, typename Prepare>
+/// if it does not fit) and moves it to the parameter's device and dtypes. `fits(param, options,
+/// next_step)` checks, for every parameter (with state or without), that the loaded options can
+/// drive its next step (the checks step() makes before it changes anything). Returns the counters.
+template <typename Options, typename State, typename Prepare, typename Fits>
 std::map<std::string, int64_t> load_checkpoint(torch::optim::Optimizer& optimizer,
                                                torch::serialize::InputArchive& archive,
                                                const std::string& format,
                                                const std::vector<std::string>& counters,
-                                               const char* who, Prepare&& prepare) {
+                                               const char* who, Prepare&& prepare, Fits&& fits) {
   const char* what = "checkpoint";
   c10::IValue value;
   TORCH_CHECK(
@@ -127,10 +129,14 @@ std::map<std::string, int64_t> load_checkpoint(torch::optim::Optimizer& optimize
         dtypes.push_back({i, j, saved_dtype.toStringRef(), param.scalar_type()});
       }
       torch::serialize::InputArchive state_archive;
-      if (!group_archive.try_read(param_key(j), state_archive)) continue;
+      if (!group_archive.try_read(param_key(j), state_archive)) {
+        fits(param, options, int64_t{1});
+        continue;
+      }
       auto state = std::make_unique<State>();
       state->serialize(state_archive);
       prepare(*state, param, options);
+      fits(param, options, state->step() + 1);
       loaded_state.emplace_back(param.unsafeGetTensorImpl(), std::move(state));
     }
     loaded_options.push_back(options);

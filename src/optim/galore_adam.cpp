@@ -105,6 +105,18 @@ void GaLoreAdamParamState::serialize(torch::serialize::InputArchive& archive) {
   right(read_value(archive, "right", what).toBool());
 }
 
+// Every option value that enters `param`'s step number `next_step` fits its math dtype (step() and
+// load() check it).
+void check_options_fit(const at::Tensor& param, const GaLoreAdamOptions& o, int64_t next_step) {
+  const double step_size =
+      optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), next_step);
+  optim_detail::check_options_fit(k_who, param,
+                                  {{"eps", o.eps()},
+                                   {"the step size (lr x bias correction)", step_size},
+                                   {"the step size x scale", step_size * o.scale()},
+                                   {"lr x weight_decay", o.lr() * o.weight_decay()}});
+}
+
 void validate_options(const GaLoreAdamOptions& o) {
   optim_detail::check_adam_options(k_who, o.lr(), o.betas(), o.eps(), o.weight_decay());
   TORCH_CHECK(o.rank() >= 0, k_who, ": invalid rank ", o.rank(),
@@ -348,16 +360,9 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
       optim_detail::check_grad(k_who, param, param.grad());
       Plan plan = plan_for(param, options);
       auto it = state_.find(param.unsafeGetTensorImpl());
-      const int64_t next_step =
-          (it == state_.end() ? 0 : static_cast<const GaLoreAdamParamState&>(*it->second).step()) + 1;
-      const double step_size = optim_detail::adam_step_size(options.lr(), options.betas(),
-                                                            options.correct_bias(), next_step);
-      optim_detail::check_options_fit(
-          k_who, param,
-          {{"eps", options.eps()},
-           {"the step size (lr x bias correction)", step_size},
-           {"the step size x scale", step_size * options.scale()},
-           {"lr x weight_decay", options.lr() * options.weight_decay()}});
+      check_options_fit(
+          param, options,
+          (it == state_.end() ? 0 : static_cast<const GaLoreAdamParamState&>(*it->second).step()) + 1);
       if (it != state_.end()) {
         const auto& state = static_cast<const GaLoreAdamParamState&>(*it->second);
         check_state(state, param, plan);
@@ -518,7 +523,8 @@ void GaLoreAdam::load(torch::serialize::InputArchive& archive) {
         TORCH_CHECK(!(state.exp_avg_sq() < 0).any().item<bool>(), k_who,
                     "::load: the checkpoint's exp_avg_sq for parameter ", j, " of group ", i,
                     " has negative values (second moments are >= 0); the checkpoint is corrupt");
-      });
+      },
+      check_options_fit);
   skipped_steps_ = counters.at("skipped_steps");
   svd_fallbacks_ = counters.at("svd_fallbacks");
 }

@@ -74,12 +74,25 @@ void check_state(const WaveletAdamParamState& state, const at::Tensor& param, co
               "gwt::WaveletAdam: the limiter norm in the state must be a single value");
 }
 
+void check_options_fit(const at::Tensor& param, const WaveletAdamOptions& o, int64_t next_step) {
+  const double step_size =
+      optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), next_step);
+  optim_detail::check_options_fit("gwt::WaveletAdam", param,
+                                  {{"eps", o.eps()},
+                                   {"the step size (lr x bias correction)", step_size},
+                                   {"the step size x scale", step_size * o.scale()},
+                                   {"lr x weight_decay", o.lr() * o.weight_decay()},
+                                   {"threshold", o.threshold()},
+                                   {"norm_growth_limit", o.norm_growth_limit()}});
+}
+
 }  // namespace wavelet_adam_detail
 
 namespace {
 
 using optim_detail::compute_dtype;
 using optim_detail::kind_of;
+using wavelet_adam_detail::check_options_fit;
 using wavelet_adam_detail::check_state;
 using wavelet_adam_detail::options_of;
 using wavelet_adam_detail::Plan;
@@ -518,17 +531,9 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       optim_detail::check_grad("gwt::WaveletAdam", param, grad);
       Plan plan = plan_for(param, options);
       auto it = state_.find(param.unsafeGetTensorImpl());
-      const int64_t next_step =
-          (it == state_.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).step()) + 1;
-      const double step_size = step_size_of(options, next_step);
-      optim_detail::check_options_fit(
-          "gwt::WaveletAdam", param,
-          {{"eps", options.eps()},
-           {"the step size (lr x bias correction)", step_size},
-           {"the step size x scale", step_size * options.scale()},
-           {"lr x weight_decay", options.lr() * options.weight_decay()},
-           {"threshold", options.threshold()},
-           {"norm_growth_limit", options.norm_growth_limit()}});
+      check_options_fit(
+          param, options,
+          (it == state_.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).step()) + 1);
       if (it != state_.end()) {
         const auto& state = static_cast<const WaveletAdamParamState&>(*it->second);
         check_state(state, param, plan);

@@ -34,5 +34,9 @@ Plan plan_for(const at::Tensor& param, const WaveletAdamOptions& o);
 /// Throws unless `state` fits `param` under `plan`.
 void check_state(const WaveletAdamParamState& state, const at::Tensor& param, const Plan& plan);
 
+/// Throws unless every option value that enters `param`'s step number `next_step` fits its math
+/// dtype (optim_detail::check_options_fit); step() and load() check it.
+void check_options_fit(const at::Tensor& param, const WaveletAdamOptions& o, int64_t next_step);
+
 }  // namespace wavelet_adam_detail
 }  // namespace gwt

@@ -93,9 +93,13 @@ void validate_options(const WaveletAdamOptions& o) {
               "; it must be in [0, 30] (0 = dense Adam)");
   TORCH_CHECK(finite(o.scale()), "gwt::WaveletAdam: invalid scale ", o.scale(),
               "; it must be finite");
-  TORCH_CHECK(finite(o.norm_growth_limit()) && o.norm_growth_limit() >= 0,
+  // A positive limit below the smallest normal float32 is 0 in the float32 math (0 / 0 = NaN).
+  TORCH_CHECK(finite(o.norm_growth_limit()) &&
+                  (o.norm_growth_limit() == 0 ||
+                   o.norm_growth_limit() >= std::numeric_limits<float>::min()),
               "gwt::WaveletAdam: invalid norm_growth_limit ", o.norm_growth_limit(),
-              "; it must be finite and >= 0 (0 disables the limiter)");
+              "; it must be 0 (no limiter) or finite and >= ", std::numeric_limits<float>::min(),
+              " (the smallest normal float32; Fira uses 1.01)");
   TORCH_CHECK(o.transform() == "1d" || o.transform() == "2d",
               "gwt::WaveletAdam: invalid transform '", o.transform(), "'; valid values are 1d, 2d");
   TORCH_CHECK(finite(o.threshold()) && o.threshold() >= 0, "gwt::WaveletAdam: invalid threshold ",

@@ -106,7 +106,8 @@ void WaveletAdam::load(torch::serialize::InputArchive& archive) {
                          .to(param.options().dtype(optim_detail::compute_dtype(param)))
                          .reshape({}));
         check_loaded_values(state, param);
-      });
+      },
+      wavelet_adam_detail::check_options_fit);
   skipped_steps_ = counters.at("skipped_steps");
 }
 
