@@ -1,5 +1,8 @@
 #include "gwt/nn/delta_linear.h"
 
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 
@@ -8,6 +11,8 @@
 #include <memory>
 #include <utility>
 
+#include "gwt/nn/low_rank_linear.h"
+
 namespace gwt {
 namespace nn {
 
@@ -15,10 +20,14 @@ namespace {
 
 constexpr const char* k_who = "gwt::nn::DeltaLinear";
 
-bool is_reduced(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+bool is_reduced(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16;
+}
 
 // The dtype the adapter's parameters and arithmetic use for a base of dtype `t`.
-at::ScalarType math_dtype(at::ScalarType t) { return is_reduced(t) ? at::kFloat : t; }
+at::ScalarType math_dtype(at::ScalarType t) {
+  return is_reduced(t) ? at::kFloat : t;
+}
 
 // Uniform in [-1/sqrt(n), 1/sqrt(n)]: [n, m], as nn::Linear initialises a layer of n inputs.
 at::Tensor uniform_vectors(int64_t n, int64_t m, const at::TensorOptions& options) {
@@ -30,7 +39,10 @@ at::Tensor uniform_vectors(int64_t n, int64_t m, const at::TensorOptions& option
 // m is odd), so that their reflections cancel pairwise.
 at::Tensor start_vectors(int64_t n, int64_t m, bool paired, const at::TensorOptions& options) {
   if (!paired || m == 0) return uniform_vectors(n, m, options);
-  return uniform_vectors(n, (m + 1) / 2, options).repeat_interleave(2, 1).narrow(1, 0, m).contiguous();
+  return uniform_vectors(n, (m + 1) / 2, options)
+      .repeat_interleave(2, 1)
+      .narrow(1, 0, m)
+      .contiguous();
 }
 
 // The product H_1 ... H_m of the reflections of the columns of `vectors` [n, m] in compact WY form
@@ -55,10 +67,11 @@ WY wy_factors(const at::Tensor& vectors, bool gram_schmidt) {
   const at::Tensor y = vectors / vectors.norm(2, {0}, /*keepdim=*/true);
   at::Tensor t = at::full({1, 1}, 2.0, vectors.options());
   for (int64_t j = 1; j < m; ++j) {
-    const at::Tensor z = at::matmul(t, at::matmul(y.narrow(1, 0, j).t(), y.narrow(1, j, 1))).mul(-2);
+    const at::Tensor z =
+        at::matmul(t, at::matmul(y.narrow(1, 0, j).t(), y.narrow(1, j, 1))).mul(-2);
     const at::Tensor top = at::cat({t, z}, 1);
-    const at::Tensor bottom =
-        at::cat({at::zeros({1, j}, vectors.options()), at::full({1, 1}, 2.0, vectors.options())}, 1);
+    const at::Tensor bottom = at::cat(
+        {at::zeros({1, j}, vectors.options()), at::full({1, 1}, 2.0, vectors.options())}, 1);
     t = at::cat({top, bottom}, 0);
   }
   return {y, t};
@@ -100,22 +113,24 @@ DeltaLinearImpl::DeltaLinearImpl(torch::nn::Linear base, DeltaLinearOptions opti
   const at::Tensor& w = base->weight;
   TORCH_CHECK(w.defined() && w.dim() == 2, k_who, ": the base weight must be 2-D [out, in], got ",
               w.defined() ? w.sizes() : c10::IntArrayRef{});
-  TORCH_CHECK(w.is_floating_point() && (w.scalar_type() == at::kFloat ||
-                                        w.scalar_type() == at::kDouble || is_reduced(w.scalar_type())),
-              k_who, ": the base weight is ", w.scalar_type(),
-              "; valid dtypes are Float, Double, Half, BFloat16");
+  TORCH_CHECK(
+      w.is_floating_point() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble ||
+                                is_reduced(w.scalar_type())),
+      k_who, ": the base weight is ", w.scalar_type(),
+      "; valid dtypes are Float, Double, Half, BFloat16");
   const int64_t in = options_.in_features(), out = options_.out_features();
   TORCH_CHECK(w.size(0) == out && w.size(1) == in, k_who, ": the options say in ", in, ", out ",
               out, " but the base weight is ", w.sizes(), " ([out, in])");
-  TORCH_CHECK(!base->bias.defined() ||
-                  (base->bias.dim() == 1 && base->bias.size(0) == out &&
-                   base->bias.device() == w.device() && base->bias.scalar_type() == w.scalar_type()),
+  TORCH_CHECK(!base->bias.defined() || (base->bias.dim() == 1 && base->bias.size(0) == out &&
+                                        base->bias.device() == w.device() &&
+                                        base->bias.scalar_type() == w.scalar_type()),
               k_who, ": the base bias must be [", out, "] with the weight's device and dtype");
   TORCH_CHECK(options_.rank() >= 0 && options_.rank() <= std::min(in, out), k_who,
-              ": invalid rank ", options_.rank(), "; it must be in [0, min(in, out) = ",
-              std::min(in, out), "]");
+              ": invalid rank ", options_.rank(),
+              "; it must be in [0, min(in, out) = ", std::min(in, out), "]");
   TORCH_CHECK(options_.reflections() >= 0 && options_.reflections() <= in, k_who,
-              ": invalid reflections ", options_.reflections(), "; it must be in [0, in = ", in, "]");
+              ": invalid reflections ", options_.reflections(), "; it must be in [0, in = ", in,
+              "]");
   TORCH_CHECK(std::isfinite(options_.alpha()) && options_.alpha() >= 0, k_who, ": invalid alpha ",
               options_.alpha(), "; it must be finite and >= 0 (0: alpha = rank)");
   const int64_t k = options_.rank(), r = options_.reflections();
@@ -131,7 +146,8 @@ DeltaLinearImpl::DeltaLinearImpl(torch::nn::Linear base, DeltaLinearOptions opti
   if (k > 0) {
     U = register_parameter("U", at::zeros({out, k}, popts));
     V = register_parameter("V", uniform_vectors(in, k, popts));
-    if (options_.orthogonal_core()) core = register_parameter("core", start_vectors(k, k, true, popts));
+    if (options_.orthogonal_core())
+      core = register_parameter("core", start_vectors(k, k, true, popts));
   }
   if (r > 0)
     reflections =
@@ -144,9 +160,10 @@ at::Tensor DeltaLinearImpl::adapted(const at::Tensor& x, int64_t kept) const {
   const at::Tensor w = weight.scalar_type() == math ? weight : weight.to(math);
   const at::Tensor b = !bias.defined() || bias.scalar_type() == math ? bias : bias.to(math);
   // x (W H_1 ... H_r)^T = (x (H_1 ... H_r)^T) W^T.
-  const at::Tensor h = reflections.defined() && reflections.size(1) > 0
-                           ? apply_product(xm, wy_factors(reflections, options_.gram_schmidt()), true)
-                           : xm;
+  const at::Tensor h =
+      reflections.defined() && reflections.size(1) > 0
+          ? apply_product(xm, wy_factors(reflections, options_.gram_schmidt()), true)
+          : xm;
   at::Tensor y = at::linear(h, w, b);
   if (kept > 0) {
     auto first = [&](const at::Tensor& t) {
@@ -154,7 +171,8 @@ at::Tensor DeltaLinearImpl::adapted(const at::Tensor& x, int64_t kept) const {
     };
     at::Tensor t = at::matmul(xm, first(V));  // x V
     if (core.defined()) {
-      const at::Tensor c = kept == core.size(1) ? core : core.narrow(0, 0, kept).narrow(1, 0, kept).contiguous();
+      const at::Tensor c =
+          kept == core.size(1) ? core : core.narrow(0, 0, kept).narrow(1, 0, kept).contiguous();
       t = apply_product(t, wy_factors(c, false), true);  // x V Q^T
     }
     y = y + at::matmul(t, first(U).t()) * scaling_;
@@ -171,7 +189,8 @@ at::Tensor DeltaLinearImpl::forward(const at::Tensor& x) {
   TORCH_CHECK(x.is_floating_point(), k_who, ": the input must be floating point, got ",
               x.scalar_type());
   const int64_t k = U.defined() ? U.size(1) : 0;
-  if (zero_from_ >= 0 && (zero_from_ >= k || U.narrow(1, zero_from_, k - zero_from_).any().item<bool>()))
+  if (zero_from_ >= 0 &&
+      (zero_from_ >= k || U.narrow(1, zero_from_, k - zero_from_).any().item<bool>()))
     zero_from_ = -1;
   if (zero_from_ < 0) return adapted(x, k);
   // U's columns from zero_from_ on are still the zeros that resize_rank appended: the output is the
@@ -196,9 +215,10 @@ torch::nn::Linear DeltaLinearImpl::merge() const {
   at::NoGradGuard no_grad;
   const auto math = math_dtype(weight.scalar_type());
   const at::Tensor w = weight.to(math);
-  const at::Tensor wh = reflections.defined() && reflections.size(1) > 0
-                            ? apply_product(w, wy_factors(reflections, options_.gram_schmidt()), false)
-                            : w;
+  const at::Tensor wh =
+      reflections.defined() && reflections.size(1) > 0
+          ? apply_product(w, wy_factors(reflections, options_.gram_schmidt()), false)
+          : w;
   torch::nn::Linear merged(torch::nn::LinearOptions(options_.in_features(), options_.out_features())
                                .bias(bias.defined()));
   merged->to(weight.device(), weight.scalar_type());
@@ -335,11 +355,23 @@ std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
     torch::nn::Module& module, const DeltaLinearOptions& options, const NameFilter& filter) {
   std::vector<std::pair<std::string, DeltaLinear>> out;
   // Checked once up front (with each layer's own sizes below): a bad option changes nothing.
-  TORCH_CHECK(options.rank() >= 0 && options.reflections() >= 0, "gwt::nn::add_delta_adapters: ",
-              "rank and reflections must be >= 0, got ", options.rank(), " and ", options.reflections());
-  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+  TORCH_CHECK(options.rank() >= 0 && options.reflections() >= 0,
+              "gwt::nn::add_delta_adapters: ", "rank and reflections must be >= 0, got ",
+              options.rank(), " and ", options.reflections());
+  const auto modules = module.named_modules("", /*include_self=*/false);
+  for (const auto& item : modules) {
     auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(item.value());
     if (!linear || (filter && !filter(item.key()))) continue;
+    const auto dot = item.key().rfind('.');
+    const torch::nn::Module* parent =
+        dot == std::string::npos ? &module : modules[item.key().substr(0, dot)].get();
+    TORCH_CHECK(dynamic_cast<const torch::nn::SequentialImpl*>(parent) == nullptr &&
+                    dynamic_cast<const torch::nn::ModuleListImpl*>(parent) == nullptr,
+                "gwt::nn::add_delta_adapters: layer '", item.key(), "' is inside a ",
+                parent->name(),
+                ", which runs its own list of modules that replace_module cannot change; build the "
+                "container from DeltaLinear layers instead (or exclude the layer with the filter); "
+                "nothing was replaced");
     const auto& w = linear->weight;
     TORCH_CHECK(w.dim() == 2 && options.rank() <= std::min(w.size(0), w.size(1)) &&
                     options.reflections() <= w.size(1),
@@ -351,7 +383,24 @@ std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
   return out;
 }
 
-int64_t merge_delta_adapters(torch::nn::Module& module) { return merge_adapters(module); }
+int64_t merge_delta_adapters(torch::nn::Module& module) {
+  return merge_adapters(module);
+}
+
+at::Tensor linear_forward(torch::nn::Module& layer, const at::Tensor& x) {
+  if (auto* l = dynamic_cast<torch::nn::LinearImpl*>(&layer)) return l->forward(x);
+  if (auto* d = dynamic_cast<DeltaLinearImpl*>(&layer)) return d->forward(x);
+  if (auto* r = dynamic_cast<LowRankLinearImpl*>(&layer)) return r->forward(x);
+  TORCH_CHECK(false, "gwt::nn::linear_forward: a ", layer.name(),
+              " is not a torch::nn::Linear, gwt::nn::DeltaLinear or gwt::nn::LowRankLinear");
+}
+
+at::Tensor child_forward(torch::nn::Module& parent, const std::string& name, const at::Tensor& x) {
+  const auto children = parent.named_children();
+  TORCH_CHECK(children.contains(name), "gwt::nn::child_forward: ", parent.name(), " has no child '",
+              name, "'");
+  return linear_forward(*children[name], x);
+}
 
 std::vector<torch::optim::OptimizerParamGroup> delta_param_groups(
     const torch::nn::Module& module, double lr,
@@ -362,7 +411,8 @@ std::vector<torch::optim::OptimizerParamGroup> delta_param_groups(
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;
     const std::string& name = item.key();
-    const std::string last = name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
+    const std::string last =
+        name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
     if (last == "U" || last == "V")
       low_rank.push_back(item.value());
     else if (last == "reflections")
@@ -373,10 +423,9 @@ std::vector<torch::optim::OptimizerParamGroup> delta_param_groups(
       base.push_back(item.value());
   }
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  for (const auto& [params, mult] : {std::make_pair(&base, multipliers.base),
-                               std::make_pair(&low_rank, multipliers.low_rank),
-                               std::make_pair(&refl, multipliers.reflections),
-                               std::make_pair(&core, multipliers.core)}) {
+  for (const auto& [params, mult] :
+       {std::make_pair(&base, multipliers.base), std::make_pair(&low_rank, multipliers.low_rank),
+        std::make_pair(&refl, multipliers.reflections), std::make_pair(&core, multipliers.core)}) {
     if (params->empty()) continue;
     groups.emplace_back(*params, make_options(lr * mult));
   }

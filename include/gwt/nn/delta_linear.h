@@ -2,15 +2,15 @@
 
 /// \file
 /// gwt::nn::DeltaLinear: a frozen linear layer adapted by Householder reflections on its input side
-/// (HRA, "Householder Reflection Adaptation", NeurIPS 2024) and by a low-rank delta with an optional
-/// orthogonal core (LoRA when the core is the identity):
+/// (HRA, "Householder Reflection Adaptation", NeurIPS 2024) and by a low-rank delta with an
+/// optional orthogonal core (LoRA when the core is the identity):
 ///
 ///     y = x (W H_1 ... H_r)^T + (alpha / k0) x (U Q V^T)^T + b
 ///
 /// with H_i = I - 2 u_i u_i^T / (u_i^T u_i) (u_i = column i of `reflections` [in, r]; H_1 first),
-/// Q = H'_1 ... H'_k (column j of `core` [k, k] is the j-th Householder vector) or Q = I, U [out, k],
-/// V [in, k], and k0 the rank the layer was made with (resize_rank keeps the scale alpha / k0, so a
-/// resize never rescales the delta). The base's `weight` [out, in] and `bias` [out] are frozen
+/// Q = H'_1 ... H'_k (column j of `core` [k, k] is the j-th Householder vector) or Q = I, U [out,
+/// k], V [in, k], and k0 the rank the layer was made with (resize_rank keeps the scale alpha / k0,
+/// so a resize never rescales the delta). The base's `weight` [out, in] and `bias` [out] are frozen
 /// unless train_base(true).
 ///
 /// Products of reflections are applied in the compact WY form I - Y T Y^T (Schreiber and Van Loan),
@@ -37,11 +37,14 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
-#include <torch/serialize/archive.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gwt {
@@ -66,7 +69,8 @@ struct DeltaLinearOptions {
   TORCH_ARG(bool, train_base) = false;
 };
 
-/// orthogonality_error(): ||P^T P - I||_F of the reflection product and of the core (0 when absent).
+/// orthogonality_error(): ||P^T P - I||_F of the reflection product and of the core (0 when
+/// absent).
 struct OrthogonalityError {
   double reflections = 0;
   double core = 0;
@@ -110,10 +114,11 @@ class DeltaLinearImpl : public torch::nn::Module {
   /// Parameters that train (the adapter's, and the base's with train_base).
   int64_t trainable_parameter_count() const;
 
-  at::Tensor weight, bias;                  // the base's (bias undefined without one)
-  at::Tensor U, V, reflections, core;       // undefined when not used
+  at::Tensor weight, bias;             // the base's (bias undefined without one)
+  at::Tensor U, V, reflections, core;  // undefined when not used
 
  private:
+  friend struct DeltaLinearAccess;
   at::Tensor adapted(const at::Tensor& x, int64_t kept) const;
   DeltaLinearOptions options_;
   double scaling_ = 1;
@@ -126,11 +131,23 @@ using NameFilter = std::function<bool(const std::string& name)>;
 
 /// Replaces every torch::nn::Linear submodule of `module` whose qualified name passes `filter`
 /// by a DeltaLinear over it (in/out features taken from each layer; the rest from `options`), in
-/// place. Returns the new adapters by qualified name. Holders that keep their own copy of a
-/// replaced submodule (a member torch::nn::Linear) keep the base: the module's forward must look
-/// its layers up by name, or use the returned adapters (see the README).
+/// place (Module::replace_module). Returns the new adapters by qualified name. Holders that keep
+/// their own reference to a replaced submodule (a member torch::nn::Linear) keep the base: the
+/// module's forward must look its layers up by name (child_forward), or use the returned adapters.
+/// Linear layers inside a torch::nn::Sequential or ModuleList are refused with a c10::Error (those
+/// containers run their own list of modules, which replace_module does not change). Every matching
+/// layer is checked before any is replaced.
 std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
     torch::nn::Module& module, const DeltaLinearOptions& options, const NameFilter& filter);
+
+/// The forward of a linear layer, whatever add_delta_adapters or merge_delta_adapters made of it:
+/// a torch::nn::Linear, a DeltaLinear or a gwt::nn::LowRankLinear (anything else is a c10::Error).
+at::Tensor linear_forward(torch::nn::Module& layer, const at::Tensor& x);
+
+/// linear_forward of `parent`'s registered child `name`, looked up at each call: a model whose
+/// forward calls its layers so sees the adapters add_delta_adapters puts in (a member
+/// torch::nn::Linear holder keeps pointing to the base).
+at::Tensor child_forward(torch::nn::Module& parent, const std::string& name, const at::Tensor& x);
 
 /// Replaces every DeltaLinear submodule by its merge(); returns how many were merged.
 int64_t merge_delta_adapters(torch::nn::Module& module);
@@ -152,6 +169,50 @@ std::vector<torch::optim::OptimizerParamGroup> delta_param_groups(
     const torch::nn::Module& module, double lr,
     const std::function<std::unique_ptr<torch::optim::OptimizerOptions>(double lr)>& make_options,
     const DeltaLrMultipliers& multipliers = {});
+
+/// The adapters alone: every DeltaLinear of `module` by qualified name, with its options, rank,
+/// scale and its U, V, reflection and core vectors (not the base's weight and bias). A few
+/// percent of the model's bytes; format "gwt.DeltaAdapters.v1".
+void save_delta_adapters(const torch::nn::Module& module, torch::serialize::OutputArchive& archive);
+void save_delta_adapters(const torch::nn::Module& module, const std::string& path);
+
+/// Puts saved adapters onto `module`: each named layer must be a torch::nn::Linear (a fresh base)
+/// or a DeltaLinear (its adapter is replaced, keeping its base) with the saved in/out features.
+/// Everything is checked first (names, shapes, dtypes, finite values, options); on any error
+/// nothing is replaced. Returns the new adapters by name.
+std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
+    torch::nn::Module& module, torch::serialize::InputArchive& archive);
+std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(torch::nn::Module& module,
+                                                                     const std::string& path);
+
+/// The trouble-shooting figures of one training step (see delta_diagnostics).
+struct DeltaDiagnostics {
+  struct Layer {
+    std::string name;
+    OrthogonalityError orthogonality;
+    double grad_u = 0, grad_v = 0;  // ||grad U||_F, ||grad V||_F
+    double grad_w = 0;              // ||grad W||_F, the would-be gradient when W is frozen
+    /// ||grad U|| / ||grad W||: the source's healthy range is 0.1 .. 10 (NaN without U or when
+    /// grad W is zero).
+    double ratio = 0;
+  };
+  std::vector<Layer> layers;
+  double max_orthogonality_error = 0;
+  double grad_norm = 0;  // of every trainable parameter's gradient, before clipping
+  double clip_norm = 0;
+  bool clipped = false;  // grad_norm > clip_norm: clipping to clip_norm fired
+  /// One line: layers, worst orthogonality error, ratio range (and how many fall outside
+  /// 0.1 .. 10), gradient norm and whether clipping fired.
+  std::string summary() const;
+};
+
+/// Runs `loss()` and its backward pass with the adapters' frozen base weights temporarily
+/// trainable (so their would-be gradients can be measured; they are cleared again and their
+/// requires_grad restored), then clips the trainable parameters' gradients to `clip_norm`
+/// (torch::nn::utils::clip_grad_norm_) and reports. The gradients it leaves are the clipped ones of
+/// the trainable parameters: an optimizer step may follow. clip_norm <= 0: measure, never clip.
+DeltaDiagnostics delta_diagnostics(torch::nn::Module& module,
+                                   const std::function<at::Tensor()>& loss, double clip_norm = 1.0);
 
 }  // namespace nn
 }  // namespace gwt

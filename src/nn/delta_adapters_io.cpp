@@ -1,0 +1,314 @@
+// Saving and loading delta adapters alone, and the training diagnostics of gwt::nn::DeltaLinear.
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/serialize.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <sstream>
+
+#include "gwt/nn/delta_linear.h"
+
+namespace gwt {
+namespace nn {
+
+/// What load_delta_adapters sets that no public setter does.
+struct DeltaLinearAccess {
+  static void set_scaling(DeltaLinearImpl& layer, double scaling) { layer.scaling_ = scaling; }
+};
+
+namespace {
+
+constexpr const char* k_format = "gwt.DeltaAdapters.v1";
+constexpr const char* k_who = "gwt::nn::load_delta_adapters";
+
+std::vector<std::pair<std::string, std::shared_ptr<DeltaLinearImpl>>> adapters_of(
+    const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, std::shared_ptr<DeltaLinearImpl>>> out;
+  for (const auto& item : module.named_modules("", /*include_self=*/false))
+    if (auto a = std::dynamic_pointer_cast<DeltaLinearImpl>(item.value()))
+      out.emplace_back(item.key(), a);
+  return out;
+}
+
+c10::IValue read(torch::serialize::InputArchive& archive, const std::string& key,
+                 const std::string& where) {
+  c10::IValue v;
+  TORCH_CHECK(archive.try_read(key, v), k_who, ": ", where, " has no '", key,
+              "' entry; not written by gwt::nn::save_delta_adapters");
+  return v;
+}
+
+int64_t read_int(torch::serialize::InputArchive& a, const std::string& key,
+                 const std::string& where) {
+  const auto v = read(a, key, where);
+  TORCH_CHECK(v.isInt(), k_who, ": ", where, "'s '", key, "' is not an integer");
+  return v.toInt();
+}
+
+double read_double(torch::serialize::InputArchive& a, const std::string& key,
+                   const std::string& where) {
+  const auto v = read(a, key, where);
+  TORCH_CHECK(v.isDouble(), k_who, ": ", where, "'s '", key, "' is not a number");
+  return v.toDouble();
+}
+
+bool read_bool(torch::serialize::InputArchive& a, const std::string& key,
+               const std::string& where) {
+  const auto v = read(a, key, where);
+  TORCH_CHECK(v.isBool(), k_who, ": ", where, "'s '", key, "' is not a bool");
+  return v.toBool();
+}
+
+// A saved tensor of the given shape, floating point and finite.
+at::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& key,
+                       const std::string& where, c10::IntArrayRef shape) {
+  at::Tensor t;
+  TORCH_CHECK(a.try_read(key, t), k_who, ": ", where, " has no tensor '", key, "'");
+  TORCH_CHECK(t.sizes() == shape, k_who, ": ", where, "'s ", key, " has shape ", t.sizes(),
+              " but its options need ", shape);
+  TORCH_CHECK(t.is_floating_point(), k_who, ": ", where, "'s ", key, " is ", t.scalar_type(),
+              " (floating point expected)");
+  TORCH_CHECK(t.numel() == 0 || at::isfinite(t).all().item<bool>(), k_who, ": ", where, "'s ", key,
+              " is not finite; the file is corrupt");
+  return t;
+}
+
+}  // namespace
+
+void save_delta_adapters(const torch::nn::Module& module,
+                         torch::serialize::OutputArchive& archive) {
+  const auto adapters = adapters_of(module);
+  archive.write("format", c10::IValue(std::string(k_format)));
+  archive.write("count", c10::IValue(static_cast<int64_t>(adapters.size())));
+  for (const auto i : c10::irange(adapters.size())) {
+    const auto& [name, a] = adapters[i];
+    const auto& o = a->options();
+    torch::serialize::OutputArchive entry;
+    entry.write("name", c10::IValue(name));
+    entry.write("in_features", c10::IValue(o.in_features()));
+    entry.write("out_features", c10::IValue(o.out_features()));
+    entry.write("rank", c10::IValue(o.rank()));
+    entry.write("reflections", c10::IValue(o.reflections()));
+    entry.write("orthogonal_core", c10::IValue(o.orthogonal_core()));
+    entry.write("alpha", c10::IValue(o.alpha()));
+    entry.write("gram_schmidt", c10::IValue(o.gram_schmidt()));
+    entry.write("train_base", c10::IValue(o.train_base()));
+    entry.write("scaling", c10::IValue(a->scaling()));
+    for (const auto& [key, t] :
+         {std::make_pair("U", &a->U), std::make_pair("V", &a->V),
+          std::make_pair("reflection_vectors", &a->reflections), std::make_pair("core", &a->core)})
+      if (t->defined()) entry.write(key, t->detach());
+    archive.write("adapter_" + std::to_string(i), entry);
+  }
+}
+
+void save_delta_adapters(const torch::nn::Module& module, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  save_delta_adapters(module, archive);
+  archive.save_to(path);
+}
+
+std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
+    torch::nn::Module& module, torch::serialize::InputArchive& archive) {
+  c10::IValue format;
+  TORCH_CHECK(
+      archive.try_read("format", format) && format.isString() && format.toStringRef() == k_format,
+      k_who, ": not a ", k_format, " archive (written by gwt::nn::save_delta_adapters)");
+  const int64_t count = read_int(archive, "count", "the archive");
+  TORCH_CHECK(count >= 0, k_who, ": a negative adapter count; the file is corrupt");
+  const auto modules = module.named_modules("", /*include_self=*/false);
+
+  // Everything is read and built first; the module tree changes only at the end.
+  struct Pending {
+    std::string name;
+    std::shared_ptr<torch::nn::Module> parent;
+    std::string child;
+    DeltaLinear adapter;
+  };
+  std::vector<Pending> pending;
+  // Building an adapter freezes its base: on any error every base gets its requires_grad back.
+  std::vector<std::pair<at::Tensor, bool>> frozen;
+  try {
+    for (const auto i : c10::irange(count)) {
+      torch::serialize::InputArchive entry;
+      const std::string key = "adapter_" + std::to_string(i);
+      TORCH_CHECK(archive.try_read(key, entry), k_who, ": ", key,
+                  " is missing; the file is corrupt");
+      const auto name_value = read(entry, "name", key);
+      TORCH_CHECK(name_value.isString(), k_who, ": ", key, "'s name is not a string");
+      const std::string name = name_value.toStringRef();
+      const std::string where = "adapter '" + name + "'";
+      const int64_t in = read_int(entry, "in_features", where),
+                    out = read_int(entry, "out_features", where);
+      TORCH_CHECK(modules.contains(name), k_who, ": the module has no layer '", name,
+                  "' for the saved adapter");
+      const auto& target = modules[name];
+      torch::nn::Linear base(nullptr);
+      if (auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(target)) {
+        base = torch::nn::Linear(linear);
+      } else if (auto existing = std::dynamic_pointer_cast<DeltaLinearImpl>(target)) {
+        // Keep its base: a Linear over the same weight and bias tensors.
+        auto linear_impl = std::make_shared<torch::nn::LinearImpl>(
+            torch::nn::LinearOptions(existing->options().in_features(),
+                                     existing->options().out_features())
+                .bias(existing->bias.defined()));
+        at::NoGradGuard no_grad;
+        linear_impl->weight.set_data(existing->weight);
+        if (existing->bias.defined()) linear_impl->bias.set_data(existing->bias);
+        base = torch::nn::Linear(linear_impl);
+      } else {
+        TORCH_CHECK(false, k_who, ": layer '", name, "' is a ", target->name(),
+                    ", not a torch::nn::Linear or gwt::nn::DeltaLinear");
+      }
+      TORCH_CHECK(
+          base->weight.dim() == 2 && base->weight.size(0) == out && base->weight.size(1) == in,
+          k_who, ": ", where, " was saved for a layer of weight [", out, ", ", in, "] but layer '",
+          name, "' has weight ", base->weight.sizes());
+      DeltaLinearOptions o(in, out);
+      o.rank(read_int(entry, "rank", where))
+          .reflections(read_int(entry, "reflections", where))
+          .orthogonal_core(read_bool(entry, "orthogonal_core", where))
+          .alpha(read_double(entry, "alpha", where))
+          .gram_schmidt(read_bool(entry, "gram_schmidt", where))
+          .train_base(read_bool(entry, "train_base", where));
+      const double scaling = read_double(entry, "scaling", where);
+      TORCH_CHECK(std::isfinite(scaling) && scaling >= 0, k_who, ": ", where, "'s scale ", scaling,
+                  " is invalid; the file is corrupt");
+      const int64_t k = o.rank(), r = o.reflections();
+      // Tensors first (shape checks need valid counts; the constructor checks the ranges).
+      TORCH_CHECK(k >= 0 && r >= 0 && k <= std::min(in, out) && r <= in, k_who, ": ", where,
+                  " has rank ", k, " and ", r, " reflections, invalid for in ", in, ", out ", out);
+      std::vector<std::pair<at::Tensor DeltaLinearImpl::*, at::Tensor>> values;
+      if (k > 0) {
+        values.emplace_back(&DeltaLinearImpl::U, read_tensor(entry, "U", where, {out, k}));
+        values.emplace_back(&DeltaLinearImpl::V, read_tensor(entry, "V", where, {in, k}));
+        if (o.orthogonal_core())
+          values.emplace_back(&DeltaLinearImpl::core, read_tensor(entry, "core", where, {k, k}));
+      }
+      if (r > 0)
+        values.emplace_back(&DeltaLinearImpl::reflections,
+                            read_tensor(entry, "reflection_vectors", where, {in, r}));
+      frozen.emplace_back(base->weight, base->weight.requires_grad());
+      if (base->bias.defined()) frozen.emplace_back(base->bias, base->bias.requires_grad());
+      {
+        DeltaLinear adapter(base, o);
+        at::NoGradGuard no_grad;
+        for (auto& [member, value] : values) {
+          at::Tensor& t = (*adapter).*member;
+          t.copy_(value.to(t.options()));
+        }
+        DeltaLinearAccess::set_scaling(*adapter, scaling);
+        const auto dot = name.rfind('.');
+        const std::string parent_name = dot == std::string::npos ? "" : name.substr(0, dot);
+        std::shared_ptr<torch::nn::Module> parent =
+            parent_name.empty() ? nullptr : modules[parent_name];
+        pending.push_back(
+            {name, parent, dot == std::string::npos ? name : name.substr(dot + 1), adapter});
+      }
+    }
+  } catch (...) {
+    for (auto& [t, requires_grad] : frozen) t.requires_grad_(requires_grad);
+    throw;
+  }
+  std::vector<std::pair<std::string, DeltaLinear>> loaded;
+  for (auto& p : pending) {
+    torch::nn::Module& parent = p.parent ? *p.parent : module;
+    parent.replace_module(p.child, p.adapter.ptr());
+    loaded.emplace_back(p.name, p.adapter);
+  }
+  return loaded;
+}
+
+std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(torch::nn::Module& module,
+                                                                     const std::string& path) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  return load_delta_adapters(module, archive);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Diagnostics
+// ----------------------------------------------------------------------------------------------
+
+std::string DeltaDiagnostics::summary() const {
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  int64_t outside = 0, with_ratio = 0;
+  for (const auto& l : layers) {
+    if (!std::isfinite(l.ratio)) continue;
+    ++with_ratio;
+    lo = std::min(lo, l.ratio), hi = std::max(hi, l.ratio);
+    if (l.ratio < 0.1 || l.ratio > 10) ++outside;
+  }
+  char line[256];
+  if (with_ratio > 0)
+    std::snprintf(line, sizeof line,
+                  "%zu adapters, orthogonality error <= %.1e, ||grad U||/||grad W|| %.3g..%.3g "
+                  "(%lld outside 0.1..10), grad norm %.3g%s",
+                  layers.size(), max_orthogonality_error, lo, hi, static_cast<long long>(outside),
+                  grad_norm, clipped ? " (clipped)" : "");
+  else
+    std::snprintf(line, sizeof line,
+                  "%zu adapters, orthogonality error <= %.1e, no low-rank ratio, grad norm %.3g%s",
+                  layers.size(), max_orthogonality_error, grad_norm, clipped ? " (clipped)" : "");
+  return line;
+}
+
+DeltaDiagnostics delta_diagnostics(torch::nn::Module& module,
+                                   const std::function<at::Tensor()>& loss, double clip_norm) {
+  TORCH_CHECK(loss != nullptr, "gwt::nn::delta_diagnostics needs a loss function");
+  TORCH_CHECK(std::isfinite(clip_norm), "gwt::nn::delta_diagnostics: clip_norm must be finite");
+  const auto adapters = adapters_of(module);
+  // The trainable set, before the frozen base weights are made trainable for the measurement.
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : module.parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  std::vector<at::Tensor> thawed;
+  for (const auto& [name, a] : adapters)
+    if (!a->weight.requires_grad()) thawed.push_back(a->weight);
+  for (auto& w : thawed) w.requires_grad_(true), w.mutable_grad() = at::Tensor();
+  auto restore = [&] {
+    for (auto& w : thawed) w.mutable_grad() = at::Tensor(), w.requires_grad_(false);
+  };
+  DeltaDiagnostics d;
+  try {
+    for (auto& p : trainable)
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    loss().backward();
+    auto norm = [](const at::Tensor& t) {
+      return t.defined() && t.grad().defined() ? t.grad().norm().item<double>() : 0.0;
+    };
+    for (const auto& [name, a] : adapters) {
+      DeltaDiagnostics::Layer l;
+      l.name = name;
+      l.orthogonality = a->orthogonality_error();
+      l.grad_u = norm(a->U), l.grad_v = norm(a->V), l.grad_w = norm(a->weight);
+      l.ratio = a->U.defined() && l.grad_w > 0 ? l.grad_u / l.grad_w
+                                               : std::numeric_limits<double>::quiet_NaN();
+      d.max_orthogonality_error =
+          std::max({d.max_orthogonality_error, l.orthogonality.reflections, l.orthogonality.core});
+      d.layers.push_back(l);
+    }
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+  d.clip_norm = clip_norm;
+  std::vector<at::Tensor> with_grad;
+  for (auto& p : trainable)
+    if (p.grad().defined()) with_grad.push_back(p);
+  if (!with_grad.empty()) {
+    d.grad_norm = clip_norm > 0 ? torch::nn::utils::clip_grad_norm_(with_grad, clip_norm)
+                                : torch::nn::utils::clip_grad_norm_(
+                                      with_grad, std::numeric_limits<double>::infinity());
+    d.clipped = clip_norm > 0 && d.grad_norm > clip_norm;
+  }
+  return d;
+}
+
+}  // namespace nn
+}  // namespace gwt
