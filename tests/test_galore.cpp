@@ -745,9 +745,9 @@ TEST(GaLoreAdam, OptionsThatOverflowFloat32AreRejectedAtStepWithNothingChanged) 
   w.mutable_grad() = at::randn({8, 6});
   opt.step();
   auto& o = static_cast<GaLoreAdamOptions&>(opt.param_groups()[0].options());
-  for (auto set : std::vector<std::function<void()>>{
-           [&] { o.lr(1e300); }, [&] { o.lr(1e20).weight_decay(1e20); },
-           [&] { o.lr(1e30).scale(1e30); }}) {
+  for (auto set : std::vector<std::function<void()>>{[&] { o.lr(1e300); },
+                                                     [&] { o.lr(1e20).weight_decay(1e20); },
+                                                     [&] { o.lr(1e30).scale(1e30); }}) {
     o = GaLoreAdamOptions(0.01).rank(2);
     set();
     const auto before = snapshot(opt, {d, w});
@@ -785,6 +785,11 @@ TEST(LowRankLinear, FullRankReproducesTheDenseLayer) {
   auto low = gwt::nn::factorize(dense, {16});
   const at::Tensor x = at::randn({5, 24});
   const at::Tensor expected = dense->forward(x), got = low->forward(x);
+  // Both sides are float32 against the same exact product, not one run's luck against another's:
+  // A B equals W up to the SVD's backward error (~16 float32 ulps of ||W||, i.e. ~1e-6 relative
+  // for this 16 x 24 matrix), and each forward adds a sum of 24 rounded products (< 24 ulps of the
+  // output's scale, ~3e-6 relative). 1e-5 of the output's scale is above the sum of both bounds
+  // on any BLAS, thread count or instruction set.
   EXPECT_LE(max_abs_diff(got, expected) / expected.abs().max().item<double>(), 1e-5);
   EXPECT_EQ(low->dense_parameter_count(), 24 * 16 + 16);
   EXPECT_EQ(low->parameter_count(), 16 * 16 + 16 * 24 + 16);
@@ -796,9 +801,15 @@ TEST(LowRankLinear, SpectralErrorIsTheNextSingularValue) {
   const at::Tensor s = at::linalg_svdvals(dense->weight.detach().to(at::kDouble));
   for (int64_t r : {1, 5, 12, 29}) {
     const auto low = gwt::nn::factorize(dense, {r});
+    // s is the float64 spectrum; the error gwt reports comes from an SVD of the same float32
+    // weight, so it differs from s[r] only by that SVD's backward error, a few float32 ulps of
+    // ||W||_2 = s[0] (Weyl's inequality: singular values move by at most the perturbation's norm):
+    // ~1e-7 s[0], ten times below the tolerance whatever LAPACK build runs.
     EXPECT_NEAR(low->reconstruction_error(), s[r].item<double>(), 1e-6 * s[0].item<double>())
         << "rank " << r;
-    // The stored float32 factors reproduce it too (measured independently here).
+    // The stored float32 factors reproduce it too (measured independently here): storing A and B
+    // rounds each entry (relative 6e-8) and forming A B adds r products (< r ulps of s[0]), so
+    // ||W - A B||_2 is within ~30 ulps of s[0] (~2e-6 s[0]) of s[r]; the tolerance is 1e-5 s[0].
     const double measured =
         at::linalg_matrix_norm(
             dense->weight.detach().to(at::kDouble) - low->weight().to(at::kDouble), 2)
@@ -807,6 +818,10 @@ TEST(LowRankLinear, SpectralErrorIsTheNextSingularValue) {
     EXPECT_EQ(low->rank(), r);
   }
   const auto randomized = gwt::nn::factorize(dense, {12, 0.0, true, 10, 3});
+  // Randomized SVD with 10 extra columns and 3 power iterations: its error exceeds the best
+  // rank-12 error s[12] by a factor that shrinks with each power iteration (Halko et al. 2011); the
+  // 5% margin is a statement about the algorithm on this fixed seed's matrix, compared in float64
+  // terms, not two float32 runs against each other.
   EXPECT_LE(randomized->reconstruction_error(), 1.05 * s[12].item<double>());
 }
 
