@@ -421,6 +421,27 @@ TEST(Errors, LoadRejectsOptionsThatDoNotFitTheModelsDtype) {
   }
 }
 
+TEST(Errors, LoadChecksTheDimOfParametersWithoutState) {
+  // Found by fuzz_load: a checkpoint whose options have a dim out of range for a parameter that
+  // has no state loaded (only parameters with state were planned), and the next step threw. The
+  // constructor and add_param_group refuse such a dim for every parameter; load() now does too.
+  at::Tensor a = at::randn({2, 8, 16}).requires_grad_(true);
+  at::Tensor b = at::randn({8, 16}).requires_grad_(true);
+  WaveletAdam saved({a, b}, WaveletAdamOptions(0.01));
+  a.mutable_grad() = at::randn({2, 8, 16});
+  saved.step();  // b has no gradient: no state
+  // dim 2 fits a (3-D), not b (2-D); step() plans only parameters with gradients.
+  static_cast<WaveletAdamOptions&>(saved.param_groups()[0].options()).dim(2);
+  const std::string bytes = saved_bytes(saved);
+  at::Tensor c = at::randn({2, 8, 16}).requires_grad_(true);
+  at::Tensor d = at::randn({8, 16}).requires_grad_(true);
+  WaveletAdam target({c, d}, WaveletAdamOptions(0.01));
+  const std::string before = saved_bytes(target);
+  expect_error([&] { load_bytes(target, bytes); },
+               {"dim 2 is out of range for a parameter of shape [8, 16]"});
+  EXPECT_EQ(saved_bytes(target), before);
+}
+
 TEST(Errors, NormGrowthLimitBelowTheSmallestNormalFloatIsRejected) {
   // Found by fuzz_step: 1e-300 > 0 enables the limiter, but is 0 in the float32 math, where the
   // limit max(ratio, 0) / 0 made the stored norm NaN.

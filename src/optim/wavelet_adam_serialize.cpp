@@ -107,7 +107,12 @@ void WaveletAdam::load(torch::serialize::InputArchive& archive) {
                          .reshape({}));
         check_loaded_values(state, param);
       },
-      wavelet_adam_detail::check_options_fit);
+      [](const at::Tensor& param, const WaveletAdamOptions& options, int64_t next_step) {
+        // As add_param_group does for every parameter, with state or without (a parameter without
+        // state got past prepare's check_state unchecked: found by fuzz_load).
+        plan_for(param, options);  // dim against the parameter's rank
+        wavelet_adam_detail::check_options_fit(param, options, next_step);
+      });
   skipped_steps_ = counters.at("skipped_steps");
 }
 
