@@ -15,11 +15,12 @@
 //   bytes (unpickler.cpp, BINPERSID; pytorch/pytorch#109791, open). Checked after load_from.
 
 #include <ATen/ATen.h>
-#include <caffe2/serialize/in_memory_adapter.h>
+#include <caffe2/serialize/read_adapter_interface.h>
 #include <caffe2/serialize/inline_container.h>
 #include <sanitizer/allocator_interface.h>
 #include <torch/serialize/input-archive.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -105,6 +106,25 @@ inline bool pickle_stream_out_of_range(const uint8_t* p, size_t n) {
   return false;
 }
 
+/// LibTorch's caffe2::serialize::MemoryReadAdapter, mended: its read() calls memcpy with a null
+/// destination for a zero-length record (UBSan's nonnull-attribute; found by fuzz_load once the
+/// reader, an inline header, ran instrumented here). This one copies only what there is.
+class BufferReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  BufferReadAdapter(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= size_) return 0;
+    n = std::min<size_t>(n, size_ - static_cast<size_t>(pos));
+    if (n > 0) std::memcpy(buf, data_ + pos, n);
+    return n;
+  }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+};
+
 /// Whether any pickle record of the archive in `data` fails pickle_stream_out_of_range: data.pkl,
 /// constants.pkl and the code's *.debug_pkl (by listing, or where a damaged entry name makes the
 /// listing throw while load_from still reads the records it needs, by the names gwt's checkpoints
@@ -113,7 +133,7 @@ inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   try {
     reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
-        std::make_shared<caffe2::serialize::MemoryReadAdapter>(data, static_cast<off_t>(size)));
+        std::make_shared<BufferReadAdapter>(data, size));
   } catch (const std::exception&) {
     return false;
   }
