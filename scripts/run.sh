@@ -4,7 +4,16 @@
 # text of Debian's fortunes package, AdamW against WaveletAdam at several settings). Prints the
 # results table and writes results/lm/: one CSV per run, results.md and val_loss.png.
 # Arguments go to train_lm (e.g. --preset llama-20m --device cuda, --corpus my.txt, --quiet).
+# --task finetune runs the fine-tuning job instead (scripts/finetune.sh, the rest of the arguments
+# going to it); --task pretrain is this comparison.
 set -euo pipefail
+if [[ "${1:-}" == "--task" ]]; then
+  case "${2:-}" in
+    finetune) shift 2; exec "$(dirname "${BASH_SOURCE[0]}")/finetune.sh" "$@" ;;
+    pretrain) shift 2 ;;
+    *) echo "run.sh: error: --task must be pretrain or finetune, got '${2:-}'" >&2; exit 2 ;;
+  esac
+fi
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 gwt_setup
 mkdir -p "$GWT_ROOT/build"

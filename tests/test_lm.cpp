@@ -143,8 +143,7 @@ TEST(LanguageModelData, UnlistableCorpusDirectoryIsAnInputError) {
     expect_input_error([&] { lm::load_corpus(unlistable, 16); }, "cannot be listed");
   std::filesystem::permissions(locked, std::filesystem::perms::owner_all);
   std::filesystem::remove_all(locked);
-  if (unlistable.empty())
-    GTEST_SKIP() << "every candidate directory can be listed by this process";
+  if (unlistable.empty()) GTEST_SKIP() << "every candidate directory can be listed by this process";
 }
 
 TEST(LanguageModelData, DefaultCorpusIsTheFortunesText) {
@@ -155,8 +154,111 @@ TEST(LanguageModelData, DefaultCorpusIsTheFortunesText) {
   EXPECT_GT(c.train.size(), 19 * c.val.size() / 2);
 }
 
+TEST(LanguageModelData, ParagraphCorpusKeepsEachParagraphOnceAndSkipsLinks) {
+  namespace fs = std::filesystem;
+  const std::string dir = temp_path("licences");
+  fs::create_directories(dir);
+  {
+    std::ofstream a(dir + "/A-1.0");  // a name with an extension, as Debian's licences have
+    for (int i = 0; i < 40; ++i) a << "clause " << i << " of A\nsecond line\n\n";
+    std::ofstream b(dir + "/B");  // repeats A's clause 3 with other white space, then its own
+    b << "clause  3 of A\n  second line\n\n";
+    for (int i = 0; i < 20; ++i) b << "clause " << i << " of B\n\n\n";
+  }
+  fs::create_symlink(dir + "/A-1.0", dir + "/C");  // Debian's GPL -> GPL-3: the same text
+  const lm::Corpus c = lm::load_paragraph_corpus(dir, 8);
+  EXPECT_EQ(c.documents, 60);  // 40 of A, 20 of B; neither the repeat nor the link's copy
+  auto count = [](const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  // Documents 0, 20, 40 (A's clauses 0 and 20, B's clause 0) validate; each paragraph is in one
+  // split, once, followed by a blank line.
+  for (int i = 0; i < 40; ++i) {
+    const std::string p = "clause " + std::to_string(i) + " of A\nsecond line\n\n";
+    EXPECT_EQ(count(c.val, p), i % 20 == 0 ? 1u : 0u) << i;
+    EXPECT_EQ(count(c.train, p), i % 20 == 0 ? 0u : 1u) << i;
+  }
+  EXPECT_EQ(count(c.val, "clause 0 of B\n\n"), 1u);
+  EXPECT_EQ(count(c.train + c.val, "clause  3"), 0u);
+  expect_input_error([&] { lm::load_paragraph_corpus(dir + "/none", 8); }, "does not exist");
+  expect_input_error([&] { lm::load_paragraph_corpus(dir, 1000); }, "too small");
+  fs::remove_all(dir);
+}
+
+TEST(LanguageModelFinetune, AdaptersStartAtTheBaseAndOnlyTheyTrain) {
+  at::manual_seed(3);
+  lm::Decoder base(small_config());
+  const at::Tensor tokens = at::randint(0, 256, {2, 16}, at::kLong);
+  at::Tensor expected;
+  {
+    at::NoGradGuard no_grad;
+    expected = base->forward(tokens);
+  }
+  for (const auto& name : lm::finetune_method_names()) {
+    SCOPED_TRACE(name);
+    const lm::FinetuneSpec spec = lm::finetune_spec(name);
+    lm::Decoder model(small_config());
+    {
+      at::NoGradGuard no_grad;
+      auto to = model->parameters();
+      auto from = base->parameters();
+      for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+    }
+    const auto adapters = lm::add_adapters(model, spec);
+    // 2 blocks x (q, k, v, o, gate, up, down); none for full fine-tuning.
+    EXPECT_EQ(adapters.size(), spec.full ? 0u : 14u);
+    at::Tensor start;
+    {
+      at::NoGradGuard no_grad;
+      start = model->forward(tokens);
+    }
+    if (spec.reflections == 0) {
+      // U starts at zero: the delta adds exactly 0, so the adapted model computes what its base
+      // does.
+      EXPECT_TRUE(at::equal(start, expected));
+    } else {
+      // Paired reflections multiply to I up to rounding: each H_{2j} H_{2j+1} x is x to a few
+      // float32 ulps of |x|, and the logits are O(1) (std 0.02 weights); 1e-4 leaves a margin of
+      // ~100x over the float32 error through two blocks.
+      EXPECT_TRUE(at::allclose(start, expected, 1e-4, 1e-4));
+    }
+    int64_t trainable = 0;
+    for (const auto& item : model->named_parameters())
+      if (item.value().requires_grad()) {
+        ++trainable;
+        const std::string last = item.key().substr(item.key().rfind('.') + 1);
+        if (!spec.full) {
+          EXPECT_TRUE(last == "U" || last == "V" || last == "reflections" || last == "core")
+              << item.key();
+        }
+      }
+    EXPECT_GT(lm::trainable_parameters(model), 0);
+    if (spec.full) {
+      EXPECT_EQ(trainable, static_cast<int64_t>(model->parameters().size()));
+    }
+
+    auto opt = lm::make_finetune_optimizer(spec, model, 1e-2);
+    const at::Tensor frozen = model->named_parameters()["embed.weight"].clone();
+    for (int step = 0; step < 3; ++step) {
+      opt->zero_grad();
+      const at::Tensor logits = model->forward(tokens.narrow(1, 0, 15));
+      at::cross_entropy_loss(logits.reshape({-1, 256}), tokens.narrow(1, 1, 15).reshape({-1}))
+          .backward();
+      opt->step();
+    }
+    at::NoGradGuard no_grad;
+    // The adapters train (the output moves); for adapters the rest stays as it was, bit for bit.
+    EXPECT_FALSE(at::allclose(model->forward(tokens), expected));
+    EXPECT_EQ(at::equal(model->named_parameters()["embed.weight"], frozen), !spec.full);
+  }
+}
+
 TEST(LanguageModelRun, UnknownPresetOptimizerAndUnwritableDirectory) {
   expect_input_error([] { lm::preset("huge"); }, "unknown preset 'huge'; valid presets are tiny");
+  expect_input_error([] { lm::finetune_spec("qlora"); },
+                     "unknown method 'qlora'; valid methods are full-adamw");
   expect_input_error([] { lm::optimizer_spec("sgd"); },
                      "unknown optimizer 'sgd'; valid optimizers are adamw");
   expect_input_error([] { lm::ensure_writable_dir("/proc/gwt-results"); }, "not writable");

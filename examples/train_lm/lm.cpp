@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <set>
 #include <sstream>
 
 namespace lm {
@@ -57,10 +58,15 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
   auto split = [&](const at::Tensor& y) { return y.view({b, t, heads, hd}).transpose(1, 2); };
   const at::Tensor c = cos.narrow(0, 0, t), s = sin.narrow(0, 0, t);
-  const at::Tensor q = rope(split(q_proj(x)), c, s), k = rope(split(k_proj(x)), c, s);
-  const at::Tensor v = split(v_proj(x));
+  // Layers by name (gwt::nn::child_forward), so that adapters put in by add_adapters are used.
+  auto proj = [&](const char* name, const at::Tensor& in) {
+    return gwt::nn::child_forward(*this, name, in);
+  };
+  const at::Tensor q = rope(split(proj("q_proj", x)), c, s);
+  const at::Tensor k = rope(split(proj("k_proj", x)), c, s);
+  const at::Tensor v = split(proj("v_proj", x));
   const at::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-  return o_proj(y.transpose(1, 2).reshape({b, t, d}));
+  return proj("o_proj", y.transpose(1, 2).reshape({b, t, d}));
 }
 
 MlpImpl::MlpImpl(int64_t dim, int64_t hidden)
@@ -69,7 +75,10 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden)
       down_proj(register_module("down_proj", linear(hidden, dim))) {}
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  return down_proj(torch::nn::functional::silu(gate_proj(x)) * up_proj(x));
+  auto proj = [&](const char* name, const at::Tensor& in) {
+    return gwt::nn::child_forward(*this, name, in);
+  };
+  return proj("down_proj", torch::nn::functional::silu(proj("gate_proj", x)) * proj("up_proj", x));
 }
 
 BlockImpl::BlockImpl(int64_t dim, int64_t heads, int64_t hidden)
@@ -158,12 +167,43 @@ std::vector<std::string> split_documents(const std::string& text) {
 
 }  // namespace
 
-Corpus split_corpus(const std::string& text) {
+namespace {
+// Every 20th document to validation, the rest to training; each followed by `separator`.
+Corpus assign_documents(const std::vector<std::string>& docs, const std::string& separator) {
   Corpus c;
-  const auto docs = split_documents(text);
   c.documents = static_cast<int64_t>(docs.size());
-  for (size_t i = 0; i < docs.size(); ++i) (i % 20 == 0 ? c.val : c.train) += docs[i];
+  for (size_t i = 0; i < docs.size(); ++i) (i % 20 == 0 ? c.val : c.train) += docs[i] + separator;
   return c;
+}
+
+void check_corpus_size(const Corpus& c, const fs::path& path, int64_t seq_len) {
+  const auto need = static_cast<size_t>(seq_len + 2);
+  if (c.train.size() < need || c.val.size() < need)
+    throw InputError("corpus '" + path.string() +
+                     "' is too small: " + std::to_string(c.train.size()) + " training and " +
+                     std::to_string(c.val.size()) + " validation bytes, need at least " +
+                     std::to_string(need) + " of each");
+}
+
+std::vector<fs::path> list_directory(const fs::path& path) {
+  std::error_code ec;
+  std::vector<fs::path> entries;
+  fs::directory_iterator it(path, ec), end;
+  if (ec)
+    throw InputError("corpus directory '" + path.string() + "' cannot be listed: " + ec.message());
+  for (; it != end; it.increment(ec)) {
+    if (ec)
+      throw InputError("corpus directory '" + path.string() +
+                       "' cannot be listed: " + ec.message());
+    entries.push_back(it->path());
+  }
+  std::sort(entries.begin(), entries.end());
+  return entries;
+}
+}  // namespace
+
+Corpus split_corpus(const std::string& text) {
+  return assign_documents(split_documents(text), "");
 }
 
 Corpus load_corpus(const std::string& path_arg, int64_t seq_len) {
@@ -175,16 +215,10 @@ Corpus load_corpus(const std::string& path_arg, int64_t seq_len) {
         (path_arg.empty() ? " (install Debian's fortunes package, or pass --corpus FILE)" : ""));
   std::string text;
   if (fs::is_directory(path, ec)) {
-    std::vector<fs::path> files;
-    fs::directory_iterator it(path, ec), end;
-    if (ec) throw InputError("corpus directory '" + path.string() + "' cannot be listed: " + ec.message());
-    for (; it != end; it.increment(ec)) {
-      if (ec) throw InputError("corpus directory '" + path.string() + "' cannot be listed: " + ec.message());
+    for (const auto& f : list_directory(path)) {
       std::error_code type_ec;
-      if (it->is_regular_file(type_ec) && !it->path().has_extension()) files.push_back(it->path());
+      if (fs::is_regular_file(f, type_ec) && !f.has_extension()) text += read_file(f) + "%\n";
     }
-    std::sort(files.begin(), files.end());
-    for (const auto& f : files) text += read_file(f) + "%\n";
   } else {
     std::ifstream probe(path, std::ios::binary);
     if (!probe) throw InputError("corpus '" + path.string() + "' cannot be read");
@@ -194,12 +228,45 @@ Corpus load_corpus(const std::string& path_arg, int64_t seq_len) {
     throw InputError("corpus '" + path.string() + "' is empty");
   Corpus c = split_corpus(text);
   c.source = path.string();
-  const auto need = static_cast<size_t>(seq_len + 2);
-  if (c.train.size() < need || c.val.size() < need)
-    throw InputError("corpus '" + path.string() +
-                     "' is too small: " + std::to_string(c.train.size()) + " training and " +
-                     std::to_string(c.val.size()) + " validation bytes, need at least " +
-                     std::to_string(need) + " of each");
+  check_corpus_size(c, path, seq_len);
+  return c;
+}
+
+std::string default_new_corpus_dir() {
+  return "/usr/share/common-licenses";
+}
+
+Corpus load_paragraph_corpus(const std::string& dir, int64_t seq_len) {
+  const fs::path path(dir);
+  std::error_code ec;
+  if (!fs::is_directory(path, ec))
+    throw InputError("corpus directory '" + path.string() + "' does not exist");
+  std::vector<std::string> paragraphs;
+  std::set<std::string> seen;
+  for (const auto& f : list_directory(path)) {
+    std::error_code type_ec;
+    if (fs::is_symlink(f, type_ec) || !fs::is_regular_file(f, type_ec)) continue;
+    std::istringstream lines(read_file(f));
+    std::string line, paragraph;
+    auto flush = [&] {
+      std::string key;  // white space collapsed to single blanks
+      std::istringstream words(paragraph);
+      for (std::string w; words >> w;) key += (key.empty() ? "" : " ") + w;
+      if (!key.empty() && seen.insert(key).second) paragraphs.push_back(paragraph);
+      paragraph.clear();
+    };
+    while (std::getline(lines, line)) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos)
+        flush();
+      else
+        paragraph += line + '\n';
+    }
+    flush();
+  }
+  if (paragraphs.empty()) throw InputError("corpus directory '" + path.string() + "' is empty");
+  Corpus c = assign_documents(paragraphs, "\n");
+  c.source = path.string();
+  check_corpus_size(c, path, seq_len);
   return c;
 }
 
@@ -374,6 +441,76 @@ double evaluate(Decoder& model, const at::Tensor& windows, int64_t batch) {
   }
   model->train();
   return total / static_cast<double>(count);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fine-tuning
+// ---------------------------------------------------------------------------------------------
+
+std::vector<std::string> finetune_method_names() {
+  return {"full-adamw", "full-wavelet", "lora-k8", "delta-core-k8", "hra-r8", "hra-delta"};
+}
+
+FinetuneSpec finetune_spec(const std::string& name) {
+  FinetuneSpec s;
+  s.name = name;
+  const std::vector<double> adapter_lrs = {1e-3, 3e-3, 1e-2};
+  if (name == "full-adamw") {
+    s.label = "full fine-tuning, AdamW", s.full = true, s.lrs = {1e-4, 3e-4, 1e-3};
+  } else if (name == "full-wavelet") {
+    s.label = "full fine-tuning, WaveletAdam haar L=2", s.full = true, s.wavelet = true;
+    s.lrs = {3e-4, 1e-3, 3e-3};
+  } else if (name == "lora-k8") {
+    s.label = "LoRA k=8", s.rank = 8, s.lrs = adapter_lrs;
+  } else if (name == "delta-core-k8") {
+    s.label = "delta + orthogonal core k=8", s.rank = 8, s.orthogonal_core = true;
+    s.lrs = adapter_lrs;
+  } else if (name == "hra-r8") {
+    s.label = "HRA r=8", s.reflections = 8, s.lrs = adapter_lrs;
+  } else if (name == "hra-delta") {
+    s.label = "HRA r=8 + delta k=8", s.reflections = 8, s.rank = 8, s.lrs = adapter_lrs;
+  } else {
+    std::string valid;
+    for (const auto& n : finetune_method_names()) valid += (valid.empty() ? "" : ", ") + n;
+    throw InputError("unknown method '" + name + "'; valid methods are " + valid);
+  }
+  return s;
+}
+
+std::vector<std::pair<std::string, gwt::nn::DeltaLinear>> add_adapters(Decoder& model,
+                                                                       const FinetuneSpec& spec) {
+  if (spec.full) return {};
+  for (auto& p : model->parameters()) p.requires_grad_(false);
+  const auto options = gwt::nn::DeltaLinearOptions(1, 1)  // in/out taken from each layer
+                           .rank(spec.rank)
+                           .reflections(spec.reflections)
+                           .orthogonal_core(spec.orthogonal_core);
+  return gwt::nn::add_delta_adapters(*model, options, [](const std::string& name) {
+    return name.find(".attn.") != std::string::npos || name.find(".mlp.") != std::string::npos;
+  });
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_finetune_optimizer(const FinetuneSpec& spec,
+                                                                 Decoder& model, double lr) {
+  if (spec.full) {
+    OptimizerSpec o = optimizer_spec(spec.wavelet ? "wavelet-haar-l2" : "adamw");
+    o.lr = lr;
+    if (spec.wavelet) o.scale = 0.25;
+    return make_optimizer(o, model);
+  }
+  auto groups = gwt::nn::delta_param_groups(*model, lr, [](double group_lr) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(group_lr).weight_decay(0).eps(1e-6));
+  });
+  return std::make_unique<torch::optim::AdamW>(
+      std::move(groups), torch::optim::AdamWOptions(lr).weight_decay(0).eps(1e-6));
+}
+
+int64_t trainable_parameters(Decoder& model) {
+  int64_t n = 0;
+  for (const auto& p : model->parameters())
+    if (p.requires_grad()) n += p.numel();
+  return n;
 }
 
 // ---------------------------------------------------------------------------------------------

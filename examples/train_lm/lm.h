@@ -10,6 +10,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/optimizer.h>
 
+#include <gwt/nn/delta_linear.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -45,7 +47,9 @@ struct RMSNormImpl : torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-/// Causal multi-head attention with rotary position embeddings (rotate-half form).
+/// Causal multi-head attention with rotary position embeddings (rotate-half form). The forward
+/// looks its projections up by name (gwt::nn::child_forward): adapters that add_adapters puts in
+/// their place are used, although the member holders keep pointing to the base layers.
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(int64_t dim, int64_t heads);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -54,7 +58,7 @@ struct AttentionImpl : torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-/// SwiGLU: down(silu(gate(x)) * up(x)).
+/// SwiGLU: down(silu(gate(x)) * up(x)); projections looked up by name like Attention's.
 struct MlpImpl : torch::nn::Module {
   MlpImpl(int64_t dim, int64_t hidden);
   at::Tensor forward(const at::Tensor& x);
@@ -106,6 +110,15 @@ std::string default_corpus_dir();
 Corpus load_corpus(const std::string& path, int64_t seq_len);
 /// Splits text into documents and those into train/validation as described above.
 Corpus split_corpus(const std::string& text);
+
+/// Debian's licence texts, the fine-tuning job's new text: /usr/share/common-licenses.
+std::string default_new_corpus_dir();
+/// Every regular file of `dir` in name order (symbolic links skipped: Debian's GPL -> GPL-3 and
+/// the like are the same text), split into paragraphs at blank lines. A paragraph that repeats one
+/// seen before (after collapsing white space; the licence versions share many) is dropped, so no
+/// validation paragraph is also a training one; then every 20th goes to validation. Paragraphs
+/// stay separated by a blank line. InputError as load_corpus.
+Corpus load_paragraph_corpus(const std::string& dir, int64_t seq_len);
 
 /// Random training windows ([batch, seq_len + 1] int64 of bytes), from a seeded generator.
 class Batches {
@@ -159,6 +172,40 @@ double cosine_lr(double peak, int64_t step, int64_t warmup, int64_t total);
 
 /// Mean cross-entropy (nats per byte) of the model on windows [n, T + 1].
 double evaluate(Decoder& model, const at::Tensor& windows, int64_t batch);
+
+// ---------------------------------------------------------------------------------------------
+// Fine-tuning (examples/train_lm/finetune.cpp)
+// ---------------------------------------------------------------------------------------------
+
+/// One way of adapting the pre-trained model to a new text.
+struct FinetuneSpec {
+  std::string name;   // e.g. "lora-k8"
+  std::string label;  // e.g. "LoRA k=8"
+  /// Every parameter trains, no adapters: AdamW, or WaveletAdam (haar, level 2, scale 0.25, the
+  /// paper's grouping) when `wavelet`.
+  bool full = false, wavelet = false;
+  /// The adapters' DeltaLinearOptions on every attention and MLP projection (not on the
+  /// embedding or the output head); the rest of the model is frozen.
+  int64_t rank = 0, reflections = 0;
+  bool orthogonal_core = false;
+  /// Peak learning rates tried (the base lr of gwt::nn::delta_param_groups for adapters: U and V
+  /// train at 3x it, reflection and core vectors at 0.25x).
+  std::vector<double> lrs;
+};
+std::vector<std::string> finetune_method_names();
+FinetuneSpec finetune_spec(const std::string& name);
+
+/// Prepares `model` for `spec`: full fine-tuning leaves it as it is; otherwise every parameter
+/// is frozen and DeltaLinear adapters replace the attention and MLP projections. Returns the
+/// adapters by qualified name (none for full fine-tuning).
+std::vector<std::pair<std::string, gwt::nn::DeltaLinear>> add_adapters(Decoder& model,
+                                                                       const FinetuneSpec& spec);
+/// The optimizer of a fine-tuning run at peak lr: make_optimizer's AdamW or WaveletAdam for full
+/// fine-tuning, AdamW (eps 1e-6, no weight decay) over delta_param_groups for adapters.
+std::unique_ptr<torch::optim::Optimizer> make_finetune_optimizer(const FinetuneSpec& spec,
+                                                                 Decoder& model, double lr);
+/// Parameters that train (requires_grad) in `model`.
+int64_t trainable_parameters(Decoder& model);
 
 // ---------------------------------------------------------------------------------------------
 // Reports
