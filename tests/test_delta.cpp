@@ -43,7 +43,9 @@ struct StackImpl : torch::nn::Module {
     for (int64_t i = 0; i < layers; ++i) x = gwt::nn::child_forward(*this, std::to_string(i), x);
     return x;
   }
-  std::shared_ptr<torch::nn::Module> layer(int64_t i) { return named_children()[std::to_string(i)]; }
+  std::shared_ptr<torch::nn::Module> layer(int64_t i) {
+    return named_children()[std::to_string(i)];
+  }
   int64_t layers = 0;
 };
 TORCH_MODULE(Stack);
@@ -109,7 +111,9 @@ void randomize_impl(gwt::nn::DeltaLinearImpl& layer) {
     if (p.requires_grad()) p.copy_(at::randn(p.sizes(), p.options()));
 }
 
-void randomize(DeltaLinear& layer) { randomize_impl(*layer); }
+void randomize(DeltaLinear& layer) {
+  randomize_impl(*layer);
+}
 
 TEST(DeltaLinear, HraForwardMatchesNumPy) {
   // Golden values from NumPy (tests/gen_delta_golden.py): W, b, u_i, x and y = x (W H_1..H_r)^T + b
@@ -151,9 +155,12 @@ TEST(DeltaLinear, ForwardEqualsTheDenseProductForEveryVariant) {
                                       .orthogonal_core(core)
                                       .alpha(2.0));
           randomize(layer);
-          const at::Tensor x = at::randn({5, 3, 24}, at::kDouble);
-          EXPECT_LE(max_abs_diff(layer->forward(x), dense_forward(layer, x)), 1e-12)
-              << "r " << r << " gs " << gs << " k " << k << " core " << core;
+          // 15 tokens (<= out: the reflections act on x) and 40 (> out: on W).
+          for (int64_t t : {3, 8}) {
+            const at::Tensor x = at::randn({5, t, 24}, at::kDouble);
+            EXPECT_LE(max_abs_diff(layer->forward(x), dense_forward(layer, x)), 1e-12)
+                << "r " << r << " gs " << gs << " k " << k << " core " << core << " t " << t;
+          }
         }
 }
 
@@ -218,33 +225,37 @@ TEST(DeltaLinear, GradientsMatchFiniteDifferences) {
       base,
       DeltaLinearOptions(10, 7).reflections(3).rank(4).orthogonal_core(true).train_base(true));
   randomize(layer);
-  const at::Tensor x = at::randn({6, 10}, at::kDouble);
-  const at::Tensor weights = at::randn({6, 7}, at::kDouble);
-  auto loss = [&] { return (layer->forward(x) * weights).sum(); };
-  layer->zero_grad();
-  loss().backward();
-  // Central differences: truncation h^2 f''' ~ 1e-12, rounding 1e-16 / h ~ 1e-10 with h = 1e-6;
-  // 1e-7 relative to the largest gradient is far above both.
-  const double h = 1e-6;
-  for (const auto& item : layer->named_parameters()) {
-    at::Tensor p = item.value();
-    const at::Tensor grad = p.grad().clone();
-    const double gmax = grad.abs().max().item<double>();
-    const at::Tensor flat = p.detach().view({-1});
-    for (int64_t i = 0; i < flat.numel(); i += std::max<int64_t>(1, flat.numel() / 7)) {
-      const double orig = flat[i].item<double>();
-      double up, down;
-      {
-        at::NoGradGuard no_grad;
-        flat[i] = orig + h;
-        up = loss().item<double>();
-        flat[i] = orig - h;
-        down = loss().item<double>();
-        flat[i] = orig;
+  // 6 rows (<= out = 7: the reflections act on x) and 12 (> out: on W).
+  for (const int64_t rows : {6, 12}) {
+    SCOPED_TRACE(rows);
+    const at::Tensor x = at::randn({rows, 10}, at::kDouble);
+    const at::Tensor weights = at::randn({rows, 7}, at::kDouble);
+    auto loss = [&] { return (layer->forward(x) * weights).sum(); };
+    layer->zero_grad();
+    loss().backward();
+    // Central differences: truncation h^2 f''' ~ 1e-12, rounding 1e-16 / h ~ 1e-10 with h = 1e-6;
+    // 1e-7 relative to the largest gradient is far above both.
+    const double h = 1e-6;
+    for (const auto& item : layer->named_parameters()) {
+      at::Tensor p = item.value();
+      const at::Tensor grad = p.grad().clone();
+      const double gmax = grad.abs().max().item<double>();
+      const at::Tensor flat = p.detach().view({-1});
+      for (int64_t i = 0; i < flat.numel(); i += std::max<int64_t>(1, flat.numel() / 7)) {
+        const double orig = flat[i].item<double>();
+        double up, down;
+        {
+          at::NoGradGuard no_grad;
+          flat[i] = orig + h;
+          up = loss().item<double>();
+          flat[i] = orig - h;
+          down = loss().item<double>();
+          flat[i] = orig;
+        }
+        EXPECT_NEAR(grad.view({-1})[i].item<double>(), (up - down) / (2 * h),
+                    1e-7 * std::max(1.0, gmax))
+            << item.key() << "[" << i << "]";
       }
-      EXPECT_NEAR(grad.view({-1})[i].item<double>(), (up - down) / (2 * h),
-                  1e-7 * std::max(1.0, gmax))
-          << item.key() << "[" << i << "]";
     }
   }
 }
@@ -463,7 +474,8 @@ TEST(DeltaAdapters, SavedAloneTheyLoadOntoAFreshBaseAndRefuseAnotherShape) {
   Stack model = three_layers();
   Stack fresh = three_layers();
   copy_parameters(*model, *fresh);  // the same base, never adapted
-  gwt::nn::add_delta_adapters(*model, DeltaLinearOptions(0, 0).rank(4).reflections(2).orthogonal_core(true),
+  gwt::nn::add_delta_adapters(*model,
+                              DeltaLinearOptions(0, 0).rank(4).reflections(2).orthogonal_core(true),
                               [](const std::string& name) { return name != "2"; });
   const at::Tensor x = at::randn({5, 12}, at::kDouble);
   auto train_steps = [&](int steps) {
@@ -515,7 +527,8 @@ TEST(DeltaAdapters, SavedAloneTheyLoadOntoAFreshBaseAndRefuseAnotherShape) {
   torch::serialize::InputArchive foreign_in;
   std::istringstream foreign_stream(foreign_bytes.str());
   foreign_in.load_from(foreign_stream);
-  expect_error([&] { gwt::nn::load_delta_adapters(*other, foreign_in); }, "not a gwt.DeltaAdapters.v1");
+  expect_error([&] { gwt::nn::load_delta_adapters(*other, foreign_in); },
+               "not a gwt.DeltaAdapters.v1");
 }
 
 TEST(DeltaAdapters, DiagnosticsMeasureTheFrozenWeightsGradientAndClip) {
@@ -565,10 +578,10 @@ struct Regression {
   Regression(const torch::nn::Linear& base, int64_t rank) {
     const int64_t in = base->weight.size(1), out = base->weight.size(0);
     x = at::randn({64, in}, at::kDouble);
-    const at::Tensor target = base->weight.detach() +
-                              0.3 * at::matmul(at::randn({out, rank}, at::kDouble),
-                                               at::randn({rank, in}, at::kDouble)) /
-                                  std::sqrt(static_cast<double>(in));
+    const at::Tensor target =
+        base->weight.detach() +
+        0.3 * at::matmul(at::randn({out, rank}, at::kDouble), at::randn({rank, in}, at::kDouble)) /
+            std::sqrt(static_cast<double>(in));
     y = at::matmul(x, target.t()) + base->bias.detach();
   }
   at::Tensor loss(DeltaLinear& layer) const { return (layer->forward(x) - y).pow(2).mean(); }
@@ -581,8 +594,8 @@ std::vector<at::Tensor> trainable(const DeltaLinear& layer) {
   return out;
 }
 
-double train_on(const Regression& data, DeltaLinear& layer, torch::optim::Optimizer& opt,
-                int steps, std::vector<double>* losses = nullptr) {
+double train_on(const Regression& data, DeltaLinear& layer, torch::optim::Optimizer& opt, int steps,
+                std::vector<double>* losses = nullptr) {
   double last = 0;
   for (int t = 0; t < steps; ++t) {
     opt.zero_grad();
@@ -624,13 +637,13 @@ TEST(RankAdaptation, GrowingCarriesTheMomentsAndTrainingContinuesWithoutASpike) 
     // The function is unchanged exactly, and the kept components' moments are as they were.
     EXPECT_EQ(data.loss(layer).item<double>(), at_growth);
     const auto& s = *opt->state().at(layer->U.unsafeGetTensorImpl());
-    const at::Tensor m = which == 0
-                             ? static_cast<const torch::optim::AdamWParamState&>(s).exp_avg()
-                             : static_cast<const gwt::WaveletAdamParamState&>(s).exp_avg();
+    const at::Tensor m = which == 0 ? static_cast<const torch::optim::AdamWParamState&>(s).exp_avg()
+                                    : static_cast<const gwt::WaveletAdamParamState&>(s).exp_avg();
     // AdamW keeps U's shape; WaveletAdam (haar, level 2) keeps a quarter of each row.
     EXPECT_EQ(m.size(1), which == 0 ? 16 : 4);
     EXPECT_TRUE(at::equal(m.narrow(1, 0, m_before.size(1)), m_before));
-    EXPECT_EQ(m.narrow(1, m_before.size(1), m.size(1) - m_before.size(1)).abs().max().item<double>(), 0);
+    EXPECT_EQ(
+        m.narrow(1, m_before.size(1), m.size(1) - m_before.size(1)).abs().max().item<double>(), 0);
     // Training goes on without a spike: the new columns start at zero with zero moments, and
     // their first Adam steps (m / sqrt(v) = (1 - b1) / sqrt(1 - b2) ~ 3 at a late step count) are
     // lr-sized, so the loss may bump by a few percent (measured here: AdamW 0%, WaveletAdam
@@ -705,9 +718,12 @@ TEST(RankAdaptation, ScheduleGrowsAFullRankAndShrinksAnUnusedOne) {
   EXPECT_EQ(unused->rank(), 8);
   // Bounds: max_rank 24 reached (the grown columns are zero: tail energy 0, so it would shrink
   // back only by the rule, not past min_rank).
-  expect_error([&] { gwt::nn::RankSchedule(std::vector<std::pair<std::string, DeltaLinear>>{}, opt,
-                                           gwt::nn::RankScheduleOptions().threshold(0)); },
-               "threshold must be in (0, 1)");
+  expect_error(
+      [&] {
+        gwt::nn::RankSchedule(std::vector<std::pair<std::string, DeltaLinear>>{}, opt,
+                              gwt::nn::RankScheduleOptions().threshold(0));
+      },
+      "threshold must be in (0, 1)");
 }
 
 }  // namespace

@@ -159,12 +159,18 @@ at::Tensor DeltaLinearImpl::adapted(const at::Tensor& x, int64_t kept) const {
   const at::Tensor xm = x.scalar_type() == math ? x : x.to(math);
   const at::Tensor w = weight.scalar_type() == math ? weight : weight.to(math);
   const at::Tensor b = !bias.defined() || bias.scalar_type() == math ? bias : bias.to(math);
-  // x (W H_1 ... H_r)^T = (x (H_1 ... H_r)^T) W^T.
-  const at::Tensor h =
-      reflections.defined() && reflections.size(1) > 0
-          ? apply_product(xm, wy_factors(reflections, options_.gram_schmidt()), true)
-          : xm;
-  at::Tensor y = at::linear(h, w, b);
+  // x (W H_1 ... H_r)^T, with the product P = H_1 ... H_r applied on the cheaper side: to x's
+  // rows, (x P^T) W^T, costs O(tokens in r); to W's, x (W P)^T, O(out in r) whatever the tokens.
+  // benchmarks/bench_reflections.cpp measured each side the faster one where its cost is lower.
+  at::Tensor y;
+  if (reflections.defined() && reflections.size(1) > 0) {
+    const WY f = wy_factors(reflections, options_.gram_schmidt());
+    const int64_t tokens = xm.numel() / std::max<int64_t>(1, options_.in_features());
+    y = tokens > options_.out_features() ? at::linear(xm, apply_product(w, f, false), b)
+                                         : at::linear(apply_product(xm, f, true), w, b);
+  } else {
+    y = at::linear(xm, w, b);
+  }
   if (kept > 0) {
     auto first = [&](const at::Tensor& t) {
       return kept == t.size(1) ? t : t.narrow(1, 0, kept).contiguous();
