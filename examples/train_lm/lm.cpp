@@ -454,7 +454,7 @@ std::vector<std::string> finetune_method_names() {
 FinetuneSpec finetune_spec(const std::string& name) {
   FinetuneSpec s;
   s.name = name;
-  const std::vector<double> adapter_lrs = {1e-3, 3e-3, 1e-2};
+  const std::vector<double> adapter_lrs = {1e-3, 3e-3, 1e-2, 3e-2};
   if (name == "full-adamw") {
     s.label = "full fine-tuning, AdamW", s.full = true, s.lrs = {1e-4, 3e-4, 1e-3};
   } else if (name == "full-wavelet") {
