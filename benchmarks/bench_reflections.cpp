@@ -32,20 +32,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Unit columns and the upper-triangular T of H_1 ... H_r = I - Y T Y^T (the recurrence of
-// Schreiber and Van Loan, as DeltaLinear builds it).
+// Unit columns and the upper-triangular T of H_1 ... H_r = I - Y T Y^T, T the inverse of
+// striu(Y^T Y) + I / 2, as DeltaLinear builds it.
 std::pair<at::Tensor, at::Tensor> wy(const at::Tensor& u) {
   const at::Tensor y = u / u.norm(2, {0}, true);
-  const int64_t r = u.size(1);
-  at::Tensor t = at::full({1, 1}, 2.0, u.options());
-  for (int64_t j = 1; j < r; ++j) {
-    const at::Tensor z =
-        at::matmul(t, at::matmul(y.narrow(1, 0, j).t(), y.narrow(1, j, 1))).mul(-2);
-    t = at::cat({at::cat({t, z}, 1),
-                 at::cat({at::zeros({1, j}, u.options()), at::full({1, 1}, 2.0, u.options())}, 1)},
-                0);
-  }
-  return {y, t};
+  const at::Tensor eye = at::eye(u.size(1), u.options());
+  return {y, at::linalg_solve_triangular(at::triu(at::matmul(y.t(), y), 1) + eye.mul(0.5), eye,
+                                         /*upper=*/true)};
 }
 
 at::Tensor forward(const std::string& way, const at::Tensor& x, const at::Tensor& w,

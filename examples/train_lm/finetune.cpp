@@ -34,7 +34,7 @@ namespace {
 struct Args {
   std::string out = "results/finetune", corpus, new_corpus = lm::default_new_corpus_dir();
   std::vector<std::string> methods = lm::finetune_method_names();
-  int64_t pretrain_steps = 600, steps = 200;
+  int64_t pretrain_steps = 500, steps = 150;
   bool quiet = false;
 };
 
@@ -185,8 +185,10 @@ void pretrain(lm::Decoder& model, const Args& args, const Data& data, const lm::
   auto opt = lm::make_optimizer(spec, model);
   const Run run = train(model, *opt, data.old_text.train, data, preset, args.pretrain_steps,
                         "pre-training (fortunes), AdamW", args.quiet);
-  std::fprintf(stderr, "train_finetune: pre-trained, validation loss %.4f (fortunes), %.4f (new)\n",
-               run.old_val(), run.new_val());
+  std::fprintf(stderr,
+               "train_finetune: pre-trained, validation loss %.4f (fortunes), %.4f (new), %.1f "
+               "ms/step\n",
+               run.old_val(), run.new_val(), run.ms_per_step);
   torch::save(model, weights);
   std::ofstream(meta) << key.str();
 }

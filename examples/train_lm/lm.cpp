@@ -454,19 +454,19 @@ std::vector<std::string> finetune_method_names() {
 FinetuneSpec finetune_spec(const std::string& name) {
   FinetuneSpec s;
   s.name = name;
-  const std::vector<double> adapter_lrs = {1e-3, 3e-3, 1e-2, 3e-2};
+  const std::vector<double> adapter_lrs = {1e-3, 3e-3, 1e-2};
   if (name == "full-adamw") {
-    s.label = "full fine-tuning, AdamW", s.full = true, s.lrs = {1e-4, 3e-4, 1e-3};
+    s.label = "full fine-tuning, AdamW", s.full = true, s.lrs = {1e-3, 3e-3, 1e-2};
   } else if (name == "full-wavelet") {
     s.label = "full fine-tuning, WaveletAdam haar L=2", s.full = true, s.wavelet = true;
-    s.lrs = {3e-4, 1e-3, 3e-3};
+    s.lrs = {1e-3, 3e-3, 1e-2};
   } else if (name == "lora-k8") {
     s.label = "LoRA k=8", s.rank = 8, s.lrs = adapter_lrs;
   } else if (name == "delta-core-k8") {
     s.label = "delta + orthogonal core k=8", s.rank = 8, s.orthogonal_core = true;
     s.lrs = adapter_lrs;
   } else if (name == "hra-r8") {
-    s.label = "HRA r=8", s.reflections = 8, s.lrs = adapter_lrs;
+    s.label = "HRA r=8", s.reflections = 8, s.lrs = {1e-2, 3e-2, 1e-1};
   } else if (name == "hra-delta") {
     s.label = "HRA r=8 + delta k=8", s.reflections = 8, s.rank = 8, s.lrs = adapter_lrs;
   } else {

@@ -143,8 +143,8 @@ bool finite_parameters(lm::Decoder& m) {
 struct Result {
   std::string label;
   int64_t steps = 0;
-  double loss_first = 0, loss_final = 0;          // validation, nats per byte
-  double train_first = 0, train_final = 0;        // training loss, mean of the last `every` steps
+  double loss_first = 0, loss_final = 0;    // validation, nats per byte
+  double train_first = 0, train_final = 0;  // training loss, mean of the last `every` steps
   int64_t nonfinite = 0, skipped = 0, fallbacks = 0;
   int64_t marks = 0, marks_identical = 0, states_identical = 0;
   double minutes = 0, ms_per_step = 0;
@@ -211,10 +211,10 @@ Result soak(const Args& args, const lm::Preset& preset, const lm::Corpus& corpus
       const double v = lm::evaluate(a, val, args.batch);
       if (first) r.loss_first = v, r.train_first = train;
       r.loss_final = v, r.train_final = train;
-      std::fprintf(stderr, "\r%-22s step %6lld/%lld  train %.4f  val %.4f  identical %s  %.1f min\n",
-                   spec.label.c_str(), static_cast<long long>(step + 1),
-                   static_cast<long long>(args.steps), train, v, identical ? "yes" : "NO",
-                   minutes());
+      std::fprintf(
+          stderr, "\r%-22s step %6lld/%lld  train %.4f  val %.4f  identical %s  %.1f min\n",
+          spec.label.c_str(), static_cast<long long>(step + 1), static_cast<long long>(args.steps),
+          train, v, identical ? "yes" : "NO", minutes());
       if (step + 1 < args.steps) {  // save A's optimizer and continue with a fresh loaded one
         torch::save(*opt_a, path);
         skipped_a += skipped(*opt_a) - skipped_at_load;
@@ -285,17 +285,16 @@ int main(int argc, char** argv) {
   bool all = true;
   char line[512];
   for (const auto& r : results) {
-    std::snprintf(line, sizeof line,
-                  "| %s | %lld | %.4f | %.4f | %.4f | %.4f | %lld | %lld | %lld | %s (%lld/%lld) | "
-                  "%s (%lld/%lld) | %.1f | %.1f | %s |\n",
-                  r.label.c_str(), static_cast<long long>(r.steps), r.loss_first, r.loss_final,
-                  r.train_first, r.train_final, static_cast<long long>(r.nonfinite),
-                  static_cast<long long>(r.skipped), static_cast<long long>(r.fallbacks),
-                  r.marks_identical == r.marks ? "yes" : "NO",
-                  static_cast<long long>(r.marks_identical), static_cast<long long>(r.marks),
-                  r.states_identical == r.marks ? "yes" : "NO",
-                  static_cast<long long>(r.states_identical), static_cast<long long>(r.marks),
-                  r.ms_per_step, r.minutes, r.pass() ? "yes" : "NO");
+    std::snprintf(
+        line, sizeof line,
+        "| %s | %lld | %.4f | %.4f | %.4f | %.4f | %lld | %lld | %lld | %s (%lld/%lld) | "
+        "%s (%lld/%lld) | %.1f | %.1f | %s |\n",
+        r.label.c_str(), static_cast<long long>(r.steps), r.loss_first, r.loss_final, r.train_first,
+        r.train_final, static_cast<long long>(r.nonfinite), static_cast<long long>(r.skipped),
+        static_cast<long long>(r.fallbacks), r.marks_identical == r.marks ? "yes" : "NO",
+        static_cast<long long>(r.marks_identical), static_cast<long long>(r.marks),
+        r.states_identical == r.marks ? "yes" : "NO", static_cast<long long>(r.states_identical),
+        static_cast<long long>(r.marks), r.ms_per_step, r.minutes, r.pass() ? "yes" : "NO");
     t << line;
     all = all && r.pass();
   }

@@ -14,11 +14,13 @@
 /// unless train_base(true).
 ///
 /// Products of reflections are applied in the compact WY form I - Y T Y^T (Schreiber and Van Loan),
-/// built from the normalised vectors: two matrix products with [in, r] factors per application,
-/// never an [in, in] matrix. The forward applies H_1 ... H_r to x's rows when there are at most
+/// built from the normalised vectors (T by one triangular solve, the inverse of
+/// striu(Y^T Y) + I / 2): two matrix products with [in, r] factors per application, never an
+/// [in, in] matrix. The forward applies H_1 ... H_r to x's rows when there are at most
 /// out_features of them (tokens: x's elements / in), else to W's rows (cost O(out in r) whatever
-/// the tokens): benchmarks/bench_reflections.cpp (README) found WY 1.2-11x faster than r rank-1
-/// updates, and each side the faster one where its cost is lower. With gram_schmidt(true) the vectors are orthonormalised in order first
+/// the tokens): benchmarks/bench_reflections.cpp (README) found WY faster than r rank-1 updates,
+/// and each side the faster one where its cost is lower. With gram_schmidt(true) the vectors are
+/// orthonormalised in order first
 /// (modified Gram-Schmidt), and the product is HRA's I - 2 Q Q^T.
 ///
 /// Start: V is random and U zero, so the delta starts at exactly zero and a layer without
