@@ -20,8 +20,7 @@
 /// out_features of them (tokens: x's elements / in), else to W's rows (cost O(out in r) whatever
 /// the tokens): benchmarks/bench_reflections.cpp (README) found WY faster than r rank-1 updates,
 /// and each side the faster one where its cost is lower. With gram_schmidt(true) the vectors are
-/// orthonormalised in order first
-/// (modified Gram-Schmidt), and the product is HRA's I - 2 Q Q^T.
+/// orthonormalised in order first (modified Gram-Schmidt), and the product is HRA's I - 2 Q Q^T.
 ///
 /// Start: V is random and U zero, so the delta starts at exactly zero and a layer without
 /// reflections computes what its base computes, bit for bit. Reflections start in equal pairs
