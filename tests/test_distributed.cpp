@@ -28,6 +28,8 @@
 
 #include <gwt/distributed.h>
 #include <gwt/optim/wavelet_adam.h>
+#include <gwt/transform.h>
+#include <gwt/wavelet.h>
 
 #include <chrono>
 #include <cmath>
@@ -305,10 +307,7 @@ void scenario_lm() {
         g.options().set_lr(lm::cosine_lr(spec.lr, step, 15, kLmSteps));
       const at::Tensor mine = batches.next().narrow(0, rank * (kLmBatch / world), kLmBatch / world);
       opt->zero_grad();
-      const at::Tensor logits = model->forward(mine.narrow(1, 0, config.seq_len));
-      at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
-                             mine.narrow(1, 1, config.seq_len).reshape({-1}))
-          .backward();
+      lm::next_byte_loss(model, mine).backward();
       gwt::distributed::all_reduce_gradients(pg, params, sync);
       const auto stats = gwt::distributed::last_grad_sync_stats();
       sent += stats.bytes_sent, full += stats.bytes_full;
@@ -602,10 +601,10 @@ TEST(Distributed, CompressedAllReduceTrainsTheTinyLmLikeTheFullOne) {
   std::cout << "tiny LM, " << kLmSteps << " steps on 2 ranks: validation loss " << full_loss
             << " (full all-reduce), " << compressed << " (wavelet L=2, error feedback); bytes "
             << rows["wavelet"][1] / rows["none"][1] << "x\n";
-  // Measured here: +5.4% (2.749 against 2.609 nats per byte). The issue asks for 2%, which this
-  // compression does not reach (README, "Scale-out"); the bound holds it to what it does, with
-  // room for other CPUs' float32 rounding, which moves a 150-step loss by far less than 1%.
-  EXPECT_LT(compressed / full_loss - 1.0, 0.08);
+  // Measured here: +0.21% (2.6147 against 2.6091). Both runs are float32 with fixed seeds; another
+  // CPU's rounding moves a 150-step loss by well under 0.1%, so the 2% bound cannot be crossed by
+  // chance, while the schemes that send the band alone or in pieces were 3.4% and 5.4% off.
+  EXPECT_LT(std::abs(compressed / full_loss - 1.0), 0.02);
   EXPECT_LT(compressed, 3.0);  // and it trains: the initial loss is ln 256 = 5.5
   EXPECT_EQ(rows["none"][1], rows["none"][2]);
   EXPECT_LE(rows["wavelet"][1], 0.3 * rows["none"][1]);
@@ -694,42 +693,54 @@ TEST(Distributed, BadEnvironmentAndOptionsAreClearErrors) {
   fs::remove_all(d);
 }
 
-// Error feedback on one rank: a constant gradient g of [16, 64] sent 40 times at level 2. Each call
-// sends one of four pieces of g's Haar coefficients: the approximation band at even calls, the
-// three detail pieces in turn at odd ones; error feedback keeps the rest. A piece waits at most 6
-// calls between sends, so the residual holds at most 5 copies of each piece (the coefficients are
-// orthonormal): the mean of what was sent is g up to |residual| / 40 <= 5/40 |g|, by construction.
-// Without error feedback the mean weights each coefficient by (times sent) / 40 <= 1/2, so its
-// error is at least 0.5 |g|.
+// The compressed all-reduce on one rank: a constant float64 gradient g of [16, 64] sent 200 times
+// at level 2. The approximation band (16 of the 64 coefficients of each row) arrives exactly at
+// every call; the 48 detail coefficients of a row go as signs and one scale, and error feedback
+// keeps what the sketch missed. So the mean of what was sent approaches g: its error is the last
+// residual / calls, and the residual stays bounded (measured: 0.031 |g| after 200 calls, 0.088 after
+// 50: residuals of 6 |g| and 4 |g|). Nothing here is random (fixed data, float64), so those
+// cannot drift to the bounds (0.1, and a halving from 50 to 200 calls) on another machine. Without
+// error feedback every call sends the same sketch, whose error (per row, a
+// 1-bit sketch of 48 Gaussian values keeps only sqrt(2/pi) of their norm) is about 0.5 |g|.
 TEST(Distributed, ErrorFeedbackDeliversTheWholeGradient) {
   const std::string d = fresh_dir("ef");
   EnvGuard env({{"WORLD_SIZE", "1"}, {"RANK", "0"}, {"GWT_STORE_FILE", d + "/s"}});
   auto pg = gwt::distributed::init_from_env("gloo");
   at::manual_seed(3);
-  const int64_t calls = 40;
-  at::Tensor w = at::zeros({16, 64}, at::kDouble).requires_grad_();
-  const at::Tensor g = at::randn({16, 64}, at::kDouble);
+  const int64_t rows = 16, n = 64, calls = 200;
+  at::Tensor w = at::zeros({rows, n}, at::kDouble).requires_grad_();
+  const at::Tensor g = at::randn({rows, n}, at::kDouble);
+  const at::Tensor approx = gwt::wavedec(g, gwt::Wavelet("haar"), 2).approx;
   const double gn = g.norm().item<double>();
   for (const bool feedback : {true, false}) {
     GradSyncOptions o;
     o.compression = "wavelet", o.level = 2, o.error_feedback = feedback;
     gwt::distributed::reset_error_feedback();
     at::Tensor sent = at::zeros_like(g);
+    double error_at_50 = 0;
     for (int64_t k = 0; k < calls; ++k) {
+      if (k == 50) error_at_50 = (sent / k - g).norm().item<double>() / gn;
       w.mutable_grad() = g.clone();
       gwt::distributed::all_reduce_gradients(pg, {w}, o);
       sent += w.grad();
+      const double band_error =
+          (gwt::wavedec(w.grad(), gwt::Wavelet("haar"), 2).approx - approx).abs().max().item<double>();
+      EXPECT_LT(band_error, 1e-12) << "call " << k << ": the approximation band must arrive exactly";
       const auto stats = gwt::distributed::last_grad_sync_stats();
-      EXPECT_EQ(stats.bytes_sent * 4, stats.bytes_full);
+      // The band in float64, one bit per detail coefficient, one float64 scale per row.
+      EXPECT_EQ(stats.bytes_sent, rows * (n / 4) * 8 + rows * (3 * n / 4) / 8 + rows * 8);
+      EXPECT_EQ(stats.bytes_full, rows * n * 8);
       EXPECT_EQ(stats.compressed_tensors, 1);
     }
     const double error = (sent / calls - g).norm().item<double>() / gn;
-    std::cout << "error feedback " << (feedback ? "on" : "off") << ": |mean sent - g| after "
-              << calls << " calls: " << error << " |g|\n";
-    if (feedback)
-      EXPECT_LE(error, 5.0 / 40 + 1e-12);
-    else
-      EXPECT_GE(error, 0.5 - 1e-12);
+    std::cout << "error feedback " << (feedback ? "on" : "off") << ": |mean sent - g| after 50 / "
+              << calls << " calls: " << error_at_50 << " / " << error << " |g|\n";
+    if (feedback) {
+      EXPECT_LT(error, 0.1);
+      EXPECT_LT(error, 0.5 * error_at_50) << "the residual must stay bounded: the error falls as 1/calls";
+    } else {
+      EXPECT_GT(error, 0.3);
+    }
   }
   fs::remove_all(d);
 }

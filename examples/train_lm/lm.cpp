@@ -425,6 +425,13 @@ double cosine_lr(double peak, int64_t step, int64_t warmup, int64_t total) {
   return peak * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
+at::Tensor next_byte_loss(Decoder& model, const at::Tensor& windows) {
+  const int64_t t = windows.size(1) - 1;
+  const at::Tensor logits = model->forward(windows.narrow(1, 0, t));
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
+                                windows.narrow(1, 1, t).reshape({-1}));
+}
+
 double evaluate(Decoder& model, const at::Tensor& windows, int64_t batch) {
   at::NoGradGuard no_grad;
   model->eval();
@@ -563,7 +570,7 @@ void write_summary(const std::string& path, const RunSummary& s) {
       << "\nsteps=" << s.steps << "\n";
 }
 
-RunSummary read_summary(const std::string& path) {
+std::map<std::string, std::string> read_key_values(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw InputError("cannot read '" + path + "'");
   std::map<std::string, std::string> kv;
@@ -572,6 +579,11 @@ RunSummary read_summary(const std::string& path) {
     const auto eq = line.find('=');
     if (eq != std::string::npos) kv[line.substr(0, eq)] = line.substr(eq + 1);
   }
+  return kv;
+}
+
+RunSummary read_summary(const std::string& path) {
+  const std::map<std::string, std::string> kv = read_key_values(path);
   auto get = [&](const char* key) {
     auto it = kv.find(key);
     if (it == kv.end()) throw InputError("'" + path + "' has no " + key);

@@ -170,6 +170,10 @@ std::pair<int64_t, int64_t> state_bytes(torch::optim::Optimizer& opt);
 /// Cosine schedule with linear warm-up and a floor at 0.1 of the peak.
 double cosine_lr(double peak, int64_t step, int64_t warmup, int64_t total);
 
+/// The training loss on windows [b, T + 1]: mean next-byte cross-entropy of the first T bytes'
+/// predictions against the last T bytes.
+at::Tensor next_byte_loss(Decoder& model, const at::Tensor& windows);
+
 /// Mean cross-entropy (nats per byte) of the model on windows [n, T + 1].
 double evaluate(Decoder& model, const at::Tensor& windows, int64_t batch);
 
@@ -230,6 +234,8 @@ struct RunSummary {
 void write_csv(const std::string& path, const std::vector<EvalPoint>& points);
 std::vector<EvalPoint> read_csv(const std::string& path);
 void write_summary(const std::string& path, const RunSummary& s);
+/// The key=value lines of a file (read_summary's format); InputError when it cannot be read.
+std::map<std::string, std::string> read_key_values(const std::string& path);
 RunSummary read_summary(const std::string& path);
 /// The Markdown results table; the first run (AdamW) is the baseline of the ratio columns.
 std::string results_table(const std::vector<RunSummary>& runs);

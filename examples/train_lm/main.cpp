@@ -5,7 +5,12 @@
 //
 //   train_lm [--preset tiny|llama-20m|llama-60m] [--optimizers a,b,...] [--corpus PATH]
 //            [--out DIR] [--steps N] [--device cpu|cuda] [--lr-adamw X] [--lr-wavelet X]
-//            [--scale X] [--quiet]
+//            [--scale X] [--nproc N] [--quiet]
+//
+// Scale-out (scale_out.h): --nproc N (N >= 2) adds the runs dp-full, dp-wavelet and dp-sharded,
+// each on N processes this program spawns (ranks meet on 127.0.0.1), to the table. Launched by
+// torchrun (WORLD_SIZE > 1 in the environment), every process is one rank and only the scale-out
+// runs are made; rank 0 prints and writes the results.
 
 #include <ATen/ATen.h>
 #include <sys/resource.h>
@@ -24,13 +29,15 @@
 #include <vector>
 
 #include "lm.h"
+#include "scale_out.h"
 
 namespace {
 
 struct Args {
   std::string preset = "tiny", corpus, out = "results/lm", device = "cpu";
   std::vector<std::string> optimizers = lm::optimizer_names();
-  int64_t steps = -1;
+  int64_t steps = -1, nproc = 1;
+  bool optimizers_given = false;
   // Tuned on the tiny preset (300-step sweep in the README): each optimizer its best setting.
   double lr_adamw = 1e-3, lr_wavelet = 3e-3, scale = 0.25;
   bool quiet = false;
@@ -67,6 +74,22 @@ int64_t parse_steps(const std::string& flag, const std::string& value) {
   throw lm::InputError(flag + " needs a whole number from 1 to 10^12, got '" + value + "'");
 }
 
+int64_t parse_nproc(const std::string& flag, const std::string& value) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(value, &used);
+    if (used == value.size() && v >= 1 && v <= 64) return static_cast<int64_t>(v);
+  } catch (const std::exception&) {
+  }
+  throw lm::InputError(flag + " needs a whole number of processes from 1 to 64, got '" + value + "'");
+}
+
+// torchrun's WORLD_SIZE, 1 when this process was not launched by it.
+int64_t torchrun_world() {
+  const char* w = std::getenv("WORLD_SIZE");
+  return w == nullptr ? 1 : std::max<long long>(1, std::atoll(w));
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -78,7 +101,9 @@ Args parse(int argc, char** argv) {
     if (flag == "--preset")
       a.preset = value();
     else if (flag == "--optimizers")
-      a.optimizers = split(value());
+      a.optimizers = split(value()), a.optimizers_given = true;
+    else if (flag == "--nproc")
+      a.nproc = parse_nproc(flag, value());
     else if (flag == "--corpus")
       a.corpus = value();
     else if (flag == "--out")
@@ -138,10 +163,7 @@ lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpu
     const auto t0 = std::chrono::steady_clock::now();
     const at::Tensor batch = batches.next().to(device);
     opt->zero_grad();
-    const at::Tensor logits = model->forward(batch.narrow(1, 0, preset.model.seq_len));
-    const at::Tensor loss =
-        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
-                               batch.narrow(1, 1, preset.model.seq_len).reshape({-1}));
+    const at::Tensor loss = lm::next_byte_loss(model, batch);
     loss.backward();
     opt->step();
     const double loss_value = loss.item<double>();
@@ -177,8 +199,21 @@ int main(int argc, char** argv) {
   lm::Preset preset;
   lm::Corpus corpus;
   std::vector<lm::OptimizerSpec> specs;
+  std::vector<std::string> scale_out;
+  const int64_t launched = torchrun_world();
+  const bool rank0 = launched == 1 || std::getenv("RANK") == nullptr ||
+                     std::string(std::getenv("RANK")) == "0";
   try {
     args = parse(argc, argv);
+    if (launched > 1 && args.nproc > 1)
+      throw lm::InputError("--nproc " + std::to_string(args.nproc) +
+                           " under torchrun (WORLD_SIZE=" + std::to_string(launched) +
+                           "): torchrun already made the processes; drop --nproc");
+    const int64_t world = launched > 1 ? launched : args.nproc;
+    if (world > 1 && !args.optimizers_given) {
+      if (launched > 1) args.optimizers.clear();  // each rank would repeat the single runs
+      for (const auto& n : lm::scale_out_names()) args.optimizers.push_back(n);
+    }
     preset = lm::preset(args.preset);
     if (args.steps > 0) {
       preset.steps = args.steps;
@@ -186,6 +221,19 @@ int main(int argc, char** argv) {
       preset.eval_every = std::max<int64_t>(1, std::min(preset.eval_every, args.steps / 4));
     }
     for (const auto& name : args.optimizers) {
+      if (lm::is_scale_out(name)) {
+        if (world < 2)
+          throw lm::InputError(name + " is a scale-out run: give --nproc N (N >= 2) or launch "
+                               "with torchrun");
+        if (!lm::scale_out_available())
+          throw lm::InputError(name + " needs gwt::distributed, and gwt was built without it "
+                               "(Gloo's headers were not found; apt install libgloo-dev)");
+        scale_out.push_back(name);
+        continue;
+      }
+      if (launched > 1)
+        throw lm::InputError("under torchrun only the scale-out runs are made (" + name +
+                             " is a single-process run; run it without torchrun)");
       lm::OptimizerSpec spec = lm::optimizer_spec(name);
       const bool adamw = spec.wavelet.empty() && !spec.galore;
       // GaLore takes WaveletAdam's settings: the GaLore recipe (higher lr, scale 0.25) they match.
@@ -197,11 +245,16 @@ int main(int argc, char** argv) {
     corpus = lm::load_corpus(args.corpus, preset.model.seq_len);
     if (args.device == "cuda" && !torch::cuda::is_available())
       throw lm::InputError("--device cuda: no CUDA device visible");
+    if (!scale_out.empty() && preset.batch % world != 0)
+      throw lm::InputError("the global batch of " + std::to_string(preset.batch) +
+                           " sequences does not split over " + std::to_string(world) +
+                           " ranks; use a number of ranks that divides it");
   } catch (const lm::InputError& e) {
     std::fprintf(stderr, "train_lm: error: %s\n", e.what());
     return 2;
   }
-  std::fprintf(stderr,
+  if (rank0)
+    std::fprintf(stderr,
                "train_lm: preset %s, corpus %s (%lld documents, %zu train / %zu validation bytes), "
                "%lld steps\n",
                preset.name.c_str(), corpus.source.c_str(), static_cast<long long>(corpus.documents),
@@ -230,11 +283,38 @@ int main(int argc, char** argv) {
     }
     runs.push_back(lm::read_summary(summary));
   }
+  lm::ScaleOutConfig config;
+  config.preset = preset, config.out = args.out, config.device = args.device;
+  config.lr = args.lr_wavelet, config.scale = args.scale, config.quiet = args.quiet;
+  std::vector<lm::ScaleOutSummary> scaled;
+  try {
+    if (launched > 1)
+      scaled = lm::run_scale_out_in_process(config, corpus, scale_out);
+    else if (!scale_out.empty())
+      scaled = lm::spawn_scale_out(config, corpus, scale_out, args.nproc);
+  } catch (const lm::InputError& e) {
+    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
+    return 1;
+  }
+  if (!rank0) return 0;
   std::ostringstream report;
   report << "Preset `" << preset.name << "`, " << preset.steps << " steps of " << preset.batch
          << " x " << preset.model.seq_len << " bytes, corpus " << corpus.source
          << "; validation loss in nats per byte.\n\n"
-         << lm::results_table(runs);
+         << (runs.empty() ? std::string() : lm::results_table(runs));
+  if (!scaled.empty()) {
+    const lm::RunSummary* single = nullptr;
+    for (const auto& r : runs)
+      if (r.name == "wavelet-haar-l2") single = &r;
+    report << (runs.empty() ? "" : "\n") << "Scale-out, " << scaled.front().ranks
+           << " ranks, each on its slice of the same global batch"
+           << (single ? "; ratios against the single-process WaveletAdam haar L=2 run" : "")
+           << ":\n\n"
+           << lm::scale_out_table(scaled, single);
+  }
   std::cout << report.str();
   std::ofstream(args.out + "/results.md") << report.str();
   return 0;

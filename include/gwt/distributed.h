@@ -29,7 +29,8 @@ namespace gwt {
 namespace distributed {
 
 /// Creates this process's group from torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR and
-/// MASTER_PORT (rank 0 runs the TCPStore), or a FileStore at GWT_STORE_FILE when that is set
+/// MASTER_PORT (rank 0 runs the TCPStore, unless torchrun's agent does: TORCHELASTIC_USE_AGENT_STORE),
+/// or a FileStore at GWT_STORE_FILE when that is set
 /// (then MASTER_ADDR/MASTER_PORT are not needed). backend: "gloo", "nccl" or "auto" (nccl when
 /// CUDA is available and gwt was built with NCCL, else gloo). Gloo binds to MASTER_ADDR
 /// (127.0.0.1 when unset). `timeout` bounds the rendezvous and every later collective; the
@@ -43,14 +44,16 @@ c10::intrusive_ptr<c10d::Backend> init_from_env(
 struct GradSyncOptions {
   /// "none": every gradient all-reduced in full. "wavelet": eligible gradients (at least two
   /// dimensions and at least 2^level elements along the last one, as for WaveletAdam) are
-  /// transformed (Haar along the last dimension, `level` levels) and only one 2^-level piece of
-  /// their coefficients is all-reduced per call: the approximation band at every other call, the
-  /// detail bands' pieces in turn at the others (the same schedule on every rank). The gradient
-  /// becomes the reconstruction of the averaged piece. Other gradients are all-reduced in full.
+  /// transformed (Haar along the last dimension, `level` levels); the approximation band (2^-level
+  /// of the coefficients) is all-reduced exactly, and the detail bands go as one sign bit per
+  /// coefficient and one scale per row (their mean magnitude), gathered from every rank and
+  /// averaged. At level 2: 0.27x the bytes of the full all-reduce. The gradient becomes the
+  /// reconstruction from the averaged bands. Other gradients are all-reduced in full.
   std::string compression = "none";
   int64_t level = 2;
-  /// With "wavelet": keep the coefficients not sent on this rank and add them to the next call's
-  /// of the same parameter (PowerSGD's error feedback), so that each arrives late but whole.
+  /// With "wavelet": keep what the sign sketch of the details missed on this rank and add it to
+  /// the next call's details of the same parameter (1-bit SGD's and PowerSGD's error feedback), so
+  /// that the details arrive late but in full.
   bool error_feedback = true;
   /// Gradients are flattened into buckets of at most this many MiB per collective.
   double bucket_mb = 25;
