@@ -100,7 +100,7 @@ void BM_TorchAdamW(benchmark::State& st) {
 }
 
 void wavelet(benchmark::State& st, const std::string& wavelet_name, int level, bool fused,
-             const std::string& transform = "1d") {
+             const std::string& transform = "1d", const std::string& nonfinite = "skip_step") {
   // 2-D: the moments shrink by 4^L instead of 2^L.
   const double bytes = transform == "2d" ? 12 + 16.0 / (1 << (2 * level)) : wavelet_bytes(level);
   run_optimizer(st, static_cast<int>(st.range(0)), bytes, [&](std::vector<at::Tensor> p) {
@@ -108,7 +108,8 @@ void wavelet(benchmark::State& st, const std::string& wavelet_name, int level, b
                                                                 .wavelet(wavelet_name)
                                                                 .level(level)
                                                                 .fused(fused)
-                                                                .transform(transform));
+                                                                .transform(transform)
+                                                                .nonfinite(nonfinite));
   });
 }
 
@@ -148,6 +149,16 @@ void BM_WaveletAdamFused_db2_L2(benchmark::State& st) {
 void BM_WaveletAdamFused_haar2d_L2(benchmark::State& st) {
   wavelet(st, "haar", 2, true, "2d");
 }
+// nonfinite("skip_param"): each tensor's norm pass and update back to back (cache-resident).
+void BM_WaveletAdamFusedSkipParam_haar_L2(benchmark::State& st) {
+  wavelet(st, "haar", 2, true, "1d", "skip_param");
+}
+void BM_WaveletAdamFusedSkipParam_db2_L2(benchmark::State& st) {
+  wavelet(st, "db2", 2, true, "1d", "skip_param");
+}
+void BM_WaveletAdamFusedSkipParam_haar2d_L2(benchmark::State& st) {
+  wavelet(st, "haar", 2, true, "2d", "skip_param");
+}
 
 }  // namespace
 
@@ -164,6 +175,9 @@ GWT_BENCH(BM_WaveletAdamFused_haar_L2);
 GWT_BENCH(BM_WaveletAdamFused_haar_L3);
 GWT_BENCH(BM_WaveletAdamFused_db2_L2);
 GWT_BENCH(BM_WaveletAdamFused_haar2d_L2);
+GWT_BENCH(BM_WaveletAdamFusedSkipParam_haar_L2);
+GWT_BENCH(BM_WaveletAdamFusedSkipParam_db2_L2);
+GWT_BENCH(BM_WaveletAdamFusedSkipParam_haar2d_L2);
 // Workload a only: the exact SVD of a 4096x4096 gradient takes tens of seconds on 2 cores.
 BENCHMARK(BM_GaLoreAdam_r128)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
 BENCHMARK(BM_GaLoreRefreshExact_r128)

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -258,6 +259,106 @@ TEST(WaveletAdam, DenseLoopMatchesTheReference) {
     const double scale = start.abs().max().item<double>();
     EXPECT_LE(max_abs_diff(params[0], params[1]), (dtype == at::kFloat ? 1e-5 : 1e-13) * scale);
     EXPECT_GT(max_abs_diff(params[0], start), 1e-2);  // they moved
+  }
+}
+
+// nonfinite: "skip_step" leaves every parameter and its state bit-unchanged when one gradient is
+// not finite; "skip_param" leaves only that parameter so, and steps the others exactly as an
+// optimizer over them alone would (the same kernels on the same data: compared bit for bit).
+TEST(WaveletAdam, NonFiniteSkipsTheStepOrOnlyTheParameter) {
+  for (const bool fused : {true, false}) {
+    for (const std::string mode : {"skip_step", "skip_param"}) {
+      SCOPED_TRACE(mode + (fused ? " fused" : " reference"));
+      at::manual_seed(5);
+      std::vector<at::Tensor> params = {make_param({8, 32}, at::kFloat), make_param({8, 32}, at::kFloat),
+                                        make_param({7}, at::kFloat)};
+      std::vector<at::Tensor> alone = {params[0].detach().clone().requires_grad_(true),
+                                       params[2].detach().clone().requires_grad_(true)};
+      const auto o = WaveletAdamOptions(0.01).weight_decay(0.1).fused(fused).nonfinite(mode);
+      WaveletAdam opt(params, o);
+      WaveletAdam others(alone, o);  // params 0 and 2 only
+      std::vector<at::Tensor> grads;
+      for (int t = 0; t < 3; ++t)
+        for (int i = 0; i < 3; ++i) grads.push_back(at::randn(params[i].sizes()));
+      for (int t = 0; t < 3; ++t) {
+        for (int i = 0; i < 3; ++i) set_grad(params[i], grads[3 * t + i]);
+        set_grad(alone[0], grads[3 * t]), set_grad(alone[1], grads[3 * t + 2]);
+        const bool poison = t == 2;
+        if (poison) params[1].mutable_grad()[2][5] = std::numeric_limits<float>::quiet_NaN();
+        std::vector<at::Tensor> values;
+        std::vector<WaveletAdamParamState> states;
+        for (const auto& p : params) {
+          if (!poison) break;
+          values.push_back(p.detach().clone());
+          states.push_back(state_of(opt, p));  // a copy (tensors shared: compared by value below)
+          states.back().exp_avg(states.back().exp_avg().clone());
+          states.back().exp_avg_sq(states.back().exp_avg_sq().clone());
+          if (states.back().norm().defined()) states.back().norm(states.back().norm().clone());
+        }
+        opt.step();
+        if (!poison || mode == "skip_param") others.step();
+        if (!poison) continue;
+        EXPECT_EQ(opt.skipped_steps(), 1);
+        for (int i = 0; i < 3; ++i) {
+          const bool kept = mode == "skip_step" || i == 1;
+          EXPECT_EQ(at::equal(params[i].detach(), values[i]), kept) << "parameter " << i;
+          WaveletAdamParamState now = state_of(opt, params[i]);
+          now.skipped(states[i].skipped());
+          EXPECT_EQ(now == states[i], kept) << "state " << i;
+        }
+        EXPECT_EQ(opt.skipped_steps(params[1]), mode == "skip_param" ? 1 : 0);
+        EXPECT_EQ(opt.skipped_steps(params[0]), 0);
+        if (mode == "skip_param") {
+          EXPECT_TRUE(at::equal(params[0].detach(), alone[0].detach()));
+          EXPECT_TRUE(at::equal(params[2].detach(), alone[1].detach()));
+          EXPECT_TRUE(state_of(opt, params[0]) == state_of(others, alone[0]));
+        }
+      }
+      // The option and the count survive a checkpoint.
+      const std::string path = temp_file("nonfinite");
+      torch::save(opt, path);
+      std::vector<at::Tensor> copies;
+      for (const auto& p : params) copies.push_back(p.detach().clone().requires_grad_(true));
+      WaveletAdam loaded(copies, WaveletAdamOptions(0.01));
+      torch::load(loaded, path);
+      std::remove(path.c_str());
+      EXPECT_EQ(loaded.group_options(0).nonfinite(), mode);
+      EXPECT_EQ(loaded.skipped_steps(copies[1]), mode == "skip_param" ? 1 : 0);
+      EXPECT_EQ(loaded.skipped_steps(), 1);
+    }
+  }
+}
+
+// A first step skipped under "skip_param": the fresh state kept (step 0, zero moments) counts it
+// and the next step is an ordinary first step.
+TEST(WaveletAdam, SkipParamOnAFirstStepKeepsAZeroState) {
+  at::manual_seed(6);
+  at::Tensor p = make_param({8, 32});
+  at::Tensor q = p.detach().clone().requires_grad_(true);
+  WaveletAdam opt({p}, WaveletAdamOptions(0.01).nonfinite("skip_param"));
+  WaveletAdam fresh({q}, WaveletAdamOptions(0.01));
+  const at::Tensor start = p.detach().clone();
+  p.mutable_grad() = at::full({8, 32}, std::numeric_limits<double>::infinity(), at::kDouble);
+  opt.step();
+  EXPECT_TRUE(at::equal(p.detach(), start));
+  EXPECT_EQ(state_of(opt, p).step(), 0);
+  EXPECT_EQ(opt.skipped_steps(p), 1);
+  const at::Tensor g = at::randn({8, 32}, at::kDouble);
+  set_grad(p, g), set_grad(q, g);
+  opt.step(), fresh.step();
+  EXPECT_TRUE(at::equal(p.detach(), q.detach()));
+  EXPECT_EQ(state_of(opt, p).step(), 1);
+}
+
+TEST(WaveletAdam, NonFiniteOptionIsChecked) {
+  at::Tensor p = make_param({8, 32});
+  try {
+    WaveletAdam opt({p}, WaveletAdamOptions(0.01).nonfinite("skip"));
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("invalid nonfinite 'skip'; valid values are skip_step"),
+              std::string::npos)
+        << e.what();
   }
 }
 

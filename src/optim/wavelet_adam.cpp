@@ -630,29 +630,40 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
     w.state = w.fresh_state.get();
   }
 
-  // A NaN or infinity in any gradient skips the whole step. The fused norm pass reads only and
-  // turns NaN on such a gradient, so it is the check for its parameters; other CPU gradients take
-  // one read each, gradients on other devices one synchronisation for all of them.
-  bool finite = true;
+  // A NaN or infinity in any gradient of a "skip_step" group skips the whole step. The fused norm
+  // pass reads only and turns NaN on such a gradient, so it is the check for its parameters; other
+  // CPU gradients take one read each, gradients on other devices one synchronisation for all of
+  // them. Parameters of "skip_param" groups are checked one by one below.
+  auto check_of = [](Work& w) {
+    if (w.path == Path::reference)
+      return optim_detail::grad_for_finite_check(w.param, w.param.grad());
+    fused_norm_pass(w);
+    return w.norm_sq;
+  };
+  auto per_param = [](const Work& w) { return w.options->nonfinite() == "skip_param"; };
   std::vector<at::Tensor> to_check;
-  for (auto& w : work) {
-    if (w.path != Path::reference) {
-      fused_norm_pass(w);
-      to_check.push_back(w.norm_sq);
-    } else {
-      to_check.push_back(optim_detail::grad_for_finite_check(w.param, w.param.grad()));
-    }
-  }
-  finite = optim_detail::all_finite(to_check);
-  if (!finite) {
+  for (auto& w : work)
+    if (!per_param(w)) to_check.push_back(check_of(w));
+  if (!optim_detail::all_finite(to_check)) {
     ++skipped_steps_;
     return loss;
   }
 
+  // "skip_param": the norm pass, the check and the update of one parameter back to back, while
+  // its gradient is in the cache. A skipped parameter keeps its value and state (a first step's
+  // fresh, zero state is kept with step 0: the same as none, and it holds the count).
+  bool skipped_any = false;
   for (auto& w : work) {
+    const bool skip = per_param(w) && !optim_detail::all_finite({check_of(w)});
     if (w.fresh_state) state_[w.param.unsafeGetTensorImpl()] = std::move(w.fresh_state);
+    if (skip) {
+      w.state->skipped(w.state->skipped() + 1);
+      skipped_any = true;
+      continue;
+    }
     update_param(w);
   }
+  if (skipped_any) ++skipped_steps_;
   return loss;
 }
 
@@ -685,6 +696,12 @@ std::pair<int64_t, int64_t> WaveletAdam::kept_details() const {
     kept += s.kept_details(), total += s.total_details();
   }
   return {kept, total};
+}
+
+int64_t WaveletAdam::skipped_steps(const at::Tensor& param) const {
+  auto it = state_.find(param.unsafeGetTensorImpl());
+  return it == state_.end() ? 0
+                            : static_cast<const WaveletAdamParamState&>(*it->second).skipped();
 }
 
 bool WaveletAdam::is_fused_param(const at::Tensor& param) const {

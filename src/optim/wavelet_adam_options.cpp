@@ -32,7 +32,8 @@ bool operator==(const WaveletAdamOptions& lhs, const WaveletAdamOptions& rhs) {
          lhs.correct_bias() == rhs.correct_bias() && lhs.dim() == rhs.dim() &&
          lhs.fused() == rhs.fused() && lhs.state_dtype() == rhs.state_dtype() &&
          lhs.transform() == rhs.transform() && lhs.threshold() == rhs.threshold() &&
-         lhs.threshold_mode() == rhs.threshold_mode() && lhs.min_size() == rhs.min_size();
+         lhs.threshold_mode() == rhs.threshold_mode() && lhs.min_size() == rhs.min_size() &&
+         lhs.nonfinite() == rhs.nonfinite();
 }
 
 namespace {
@@ -61,6 +62,7 @@ void WaveletAdamOptions::serialize(torch::serialize::OutputArchive& archive) con
   archive.write("threshold", c10::IValue(threshold()));
   archive.write("threshold_mode", c10::IValue(threshold_mode()));
   archive.write("min_size", c10::IValue(min_size()));
+  archive.write("nonfinite", c10::IValue(nonfinite()));
 }
 
 void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -83,6 +85,11 @@ void WaveletAdamOptions::serialize(torch::serialize::InputArchive& archive) {
   threshold(read_value(archive, "threshold", what).toDouble());
   threshold_mode(read_value(archive, "threshold_mode", what).toStringRef());
   min_size(read_value(archive, "min_size", what).toInt());
+  // Checkpoints from before the option: the behaviour they had.
+  c10::IValue nonfinite_value;
+  nonfinite(archive.try_read("nonfinite", nonfinite_value) && nonfinite_value.isString()
+                ? nonfinite_value.toStringRef()
+                : std::string("skip_step"));
 }
 
 void validate_options(const WaveletAdamOptions& o) {
@@ -113,6 +120,9 @@ void validate_options(const WaveletAdamOptions& o) {
   TORCH_CHECK(o.state_dtype() == "auto" || o.state_dtype() == "bfloat16",
               "gwt::WaveletAdam: invalid state_dtype '", o.state_dtype(),
               "'; valid values are auto, bfloat16");
+  TORCH_CHECK(o.nonfinite() == "skip_step" || o.nonfinite() == "skip_param",
+              "gwt::WaveletAdam: invalid nonfinite '", o.nonfinite(),
+              "'; valid values are skip_step (the whole step), skip_param (that parameter only)");
   Wavelet(o.wavelet());                     // throws listing the valid names
   boundary_mode_from_string(o.boundary());  // throws listing the valid modes
 }

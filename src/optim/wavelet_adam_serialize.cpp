@@ -6,6 +6,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <algorithm>
 #include <string>
 
 #include "checkpoint.h"
@@ -49,6 +50,7 @@ void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) 
   archive.write("exp_avg_sq", exp_avg_sq());
   archive.write("has_norm", c10::IValue(norm().defined()));
   if (norm().defined()) archive.write("norm", norm());
+  archive.write("skipped", c10::IValue(skipped()));
 }
 
 void WaveletAdamParamState::serialize(torch::serialize::InputArchive& archive) {
@@ -64,6 +66,10 @@ void WaveletAdamParamState::serialize(torch::serialize::InputArchive& archive) {
   exp_avg(read_tensor("exp_avg"));
   exp_avg_sq(read_tensor("exp_avg_sq"));
   norm(read_value(archive, "has_norm", what).toBool() ? read_tensor("norm") : at::Tensor());
+  c10::IValue skipped_value;  // absent from checkpoints before nonfinite("skip_param")
+  skipped(archive.try_read("skipped", skipped_value) && skipped_value.isInt()
+              ? std::max<int64_t>(0, skipped_value.toInt())
+              : 0);
 }
 
 bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& rhs) {
@@ -71,7 +77,8 @@ bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& r
     return a.defined() == b.defined() && (!a.defined() || at::equal(a, b));
   };
   return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
-         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.norm(), rhs.norm());
+         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.norm(), rhs.norm()) &&
+         lhs.skipped() == rhs.skipped();
 }
 
 void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {

@@ -67,6 +67,12 @@ struct WaveletAdamOptions : public torch::optim::OptimizerCloneableOptions<Wavel
   /// (0 = off, the rule of SPEC 1.2; 32 skips matrices below 32 x 32, where compression saves
   /// little).
   TORCH_ARG(int64_t, min_size) = 0;
+  /// What a NaN or an infinity in a gradient of this group skips: "skip_step" (the whole step:
+  /// no parameter or state changes, as AMP's GradScaler does) or "skip_param" (that parameter
+  /// keeps its value and state, the others step). With "skip_param" each parameter's norm pass and
+  /// update run back to back, while its gradient is still in the cache; with "skip_step" every
+  /// gradient is read once for the check before any update.
+  TORCH_ARG(std::string, nonfinite) = "skip_step";
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -90,6 +96,8 @@ struct WaveletAdamParamState
   /// one; not saved).
   TORCH_ARG(int64_t, kept_details) = -1;
   TORCH_ARG(int64_t, total_details) = -1;
+  /// Steps this parameter skipped for a non-finite gradient of its own (nonfinite = "skip_param").
+  TORCH_ARG(int64_t, skipped) = 0;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -103,7 +111,8 @@ struct WaveletAdamParamState
 ///   (LibTorch's own add_param_group would replace a custom optimizer's options with the
 ///   defaults). A group without options takes the defaults.
 /// - A step whose gradients hold a NaN or an infinity is skipped as a whole: no parameter or state
-///   changes, and skipped_steps() counts it (as AMP's GradScaler does).
+///   changes, and skipped_steps() counts it (as AMP's GradScaler does). Groups with
+///   nonfinite("skip_param") skip only the parameter whose gradient is not finite.
 /// - Errors a caller can cause (bad options, sparse or mis-shaped gradients, ...) are thrown before
 ///   anything changes.
 class WaveletAdam : public torch::optim::Optimizer {
@@ -136,8 +145,12 @@ class WaveletAdam : public torch::optim::Optimizer {
   std::pair<int64_t, int64_t> kept_details() const;
   /// Whether `param`'s step runs in a fused kernel (else the ATen reference).
   bool is_fused_param(const at::Tensor& param) const;
-  /// Steps skipped because a gradient was not finite.
+  /// Steps skipped because a gradient was not finite (with "skip_param" groups: steps in which
+  /// at least one parameter was skipped).
   int64_t skipped_steps() const { return skipped_steps_; }
+  /// Steps `param` skipped alone for a non-finite gradient of its own, in a "skip_param" group
+  /// (whole-step skips are counted by skipped_steps() only).
+  int64_t skipped_steps(const at::Tensor& param) const;
   /// The options of group i.
   const WaveletAdamOptions& group_options(size_t i) const;
 
