@@ -1,7 +1,8 @@
 // Optimizer step time against torch::optim::Adam, measured in the same run.
 //
 // Workloads: (a) the LLaMA-60M wavelet-eligible set (8 layers of q, k, v, o 512x512, gate and up
-// 1376x512, down 512x1376: 25.3M values); (b) one 4096x4096 matrix. All fp32, gradients fixed.
+// 1376x512, down 512x1376: 25.3M values); (b) one 4096x4096 matrix; (c) 500 matrices of 64x64 and
+// 500 biases of 64 (per-tensor overhead). All fp32, gradients fixed.
 // Each benchmark reports bytes_per_second for the bytes the step must move (counter "bytes/param")
 // and scripts/bench_table.py turns the JSON into the table with ratios.
 
@@ -29,7 +30,7 @@ int64_t numel(const std::vector<at::Tensor>& params) {
 }
 
 const char* workload_name(int which) {
-  return which == 0 ? "llama60m" : "4096x4096";
+  return which == 0 ? "llama60m" : which == 1 ? "4096x4096" : "500x(64x64+64)";
 }
 
 // Times optimizer steps; bytes_per_param is what the step must move (reads + writes).
@@ -54,7 +55,7 @@ double wavelet_bytes(int level) {
 
 void BM_Copy(benchmark::State& st) {
   const int which = static_cast<int>(st.range(0));
-  const int64_t n = which == 0 ? 25296896 : 4096 * 4096;
+  const int64_t n = which == 0 ? 25296896 : which == 1 ? 4096 * 4096 : 500 * (64 * 64 + 64);
   // Same bytes as the Haar L=2 step (16 B/param): copy 8 B/param into another 8 B/param.
   at::Tensor src = at::randn({2 * n}), dst = at::empty({2 * n});
   for (auto _ : st) dst.copy_(src);
@@ -163,7 +164,7 @@ void BM_WaveletAdamFusedSkipParam_haar2d_L2(benchmark::State& st) {
 }  // namespace
 
 #define GWT_BENCH(fn) \
-  BENCHMARK(fn)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0)
+  BENCHMARK(fn)->Arg(0)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0)
 
 GWT_BENCH(BM_Copy);
 GWT_BENCH(BM_TorchAdam);

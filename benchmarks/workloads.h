@@ -9,7 +9,9 @@
 namespace gwt_bench {
 
 /// (0) the LLaMA-60M wavelet-eligible set: 8 layers of q, k, v, o 512x512, gate and up 1376x512,
-/// down 512x1376 (25.3M values); (1) one 4096x4096 matrix. fp32 parameters with fixed gradients.
+/// down 512x1376 (25.3M values); (1) one 4096x4096 matrix; (2) many small tensors: 500 of 64x64
+/// and 500 biases of 64 (2.08M values), where per-tensor host work shows. fp32 parameters with
+/// fixed gradients.
 inline std::vector<at::Tensor> make_workload(int which, const at::Device& device = at::kCPU) {
   at::manual_seed(0);
   std::vector<std::vector<int64_t>> shapes;
@@ -20,8 +22,11 @@ inline std::vector<at::Tensor> make_workload(int which, const at::Device& device
       shapes.push_back({1376, 512});
       shapes.push_back({512, 1376});
     }
-  } else {
+  } else if (which == 1) {
     shapes.push_back({4096, 4096});
+  } else {
+    for (int i = 0; i < 500; ++i) shapes.push_back({64, 64});
+    for (int i = 0; i < 500; ++i) shapes.push_back({64});
   }
   std::vector<at::Tensor> params;
   for (const auto& s : shapes) {

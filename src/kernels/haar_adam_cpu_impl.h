@@ -31,6 +31,7 @@ namespace GWT_KERNEL_NS {
 // Approximation coefficients per tile: tiles are the unit of work and of the norm's reduction,
 // fixed in size so that the summation order never depends on the number of threads.
 constexpr int64_t k_tile = 512;
+constexpr int64_t k_parallel_grain = 32768;  // elements per thread chunk, at least
 
 // P: parameter type, G: gradient type (P, or float for a float16/bfloat16 parameter), S: moment
 // type, Acc: math type, B: block size 2^level (0: runtime).
@@ -55,13 +56,18 @@ class HaarAdam {
             std::pow(2.0, (args.two_d ? -1.0 : -0.5) * static_cast<double>(args.level)))),
         block_rows_(args.two_d ? (args.height + block_ - 1) / block_ : 1),
         state_rows_(args.two_d ? args.rows / args.height * block_rows_ : args.rows),
-        tiles_per_row_((args.approx_len + k_tile - 1) / k_tile) {}
+        tiles_per_row_((args.approx_len + k_tile - 1) / k_tile),
+        // Threads only for work that pays for a parallel region (a few microseconds each): about
+        // 32K elements per chunk, as ATen's own grain. Results do not depend on it (fixed tiles).
+        grain_(std::max<int64_t>(
+            1, k_parallel_grain / std::max<int64_t>(1, args.rows * args.n /
+                                                           std::max<int64_t>(1, state_rows_ * tiles_per_row_)))) {}
 
   // Norm pass over all tiles: fixed tiles, summed in order.
   double norm_sq() const {
     const int64_t tiles = state_rows_ * tiles_per_row_;
     std::vector<double> partial(static_cast<size_t>(tiles), 0.0);
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, tiles, grain_, [&](int64_t t0, int64_t t1) {
       Acc approx[k_tile];
       for (int64_t t = t0; t < t1; ++t) partial[t] = tile_norm_sq(t, approx);
     });
@@ -72,7 +78,7 @@ class HaarAdam {
 
   void update(Acc lim) const {
     const int64_t tiles = state_rows_ * tiles_per_row_;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, tiles, grain_, [&](int64_t t0, int64_t t1) {
       Acc approx[k_tile];
       for (int64_t t = t0; t < t1; ++t) tile_update(t, lim, approx);
     });
@@ -228,6 +234,7 @@ class HaarAdam {
   int64_t block_rows_;  // 2-D: block rows per matrix (state rows per matrix)
   int64_t state_rows_;  // rows of exp_avg / exp_avg_sq
   int64_t tiles_per_row_;
+  int64_t grain_;  // tiles per parallel chunk, at least
 };
 
 // Calls fn(kernel) with the HaarAdam instance for the argument's types and level.
