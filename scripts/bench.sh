@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the benchmarks and prints the optimizer-step table (CPU), writing results/bench_cpu.json.
+# Builds the benchmarks and prints the optimizer-step table (CPU), writing results/bench_cpu.json,
+# then the interleaved table (results/bench_interleaved.md).
 # Arguments go to the benchmark binary (e.g. --benchmark_filter=haar).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
@@ -18,3 +19,8 @@ export MALLOC_TOP_PAD_="${MALLOC_TOP_PAD_:-536870912}"
   --benchmark_out_format=json "$@" >&2
 python3 "$GWT_ROOT/scripts/bench_table.py" "$GWT_ROOT/results/bench_cpu.json" \
   --machine "$(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+# The same variants interleaved round by round in one process: ratios within each round, robust
+# to a machine whose speed drifts between the benchmarks above.
+echo
+echo "Interleaved, $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs):"
+"$GWT_ROOT/build/benchmarks/gwt_bench_interleaved" | tee "$GWT_ROOT/results/bench_interleaved.md"

@@ -1,0 +1,122 @@
+// Optimizer steps interleaved in one process: every round times one step of every variant, in
+// turn, so that a machine whose speed drifts (other tenants, clock changes) slows all variants of
+// a round alike. The ratio to at::_fused_adam_ is taken within each round, and the table reports
+// the median over rounds with the range.
+//
+//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2]
+//
+// Workloads as in gwt_bench_step (benchmarks/workloads.h): 0 llama60m, 1 4096x4096,
+// 2 500x(64x64+64).
+
+#include <ATen/ATen.h>
+#include <torch/optim/adam.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gwt/gwt.h"
+#include "workloads.h"
+
+namespace {
+
+struct Variant {
+  std::string name;
+  std::function<void()> step;
+  std::vector<double> ms;
+};
+
+std::unique_ptr<torch::optim::Optimizer> wavelet(std::vector<at::Tensor> params,
+                                                 const std::string& w, int64_t level,
+                                                 const std::string& transform,
+                                                 const std::string& nonfinite) {
+  return std::make_unique<gwt::WaveletAdam>(std::move(params), gwt::WaveletAdamOptions(1e-3)
+                                                                   .wavelet(w)
+                                                                   .level(level)
+                                                                   .transform(transform)
+                                                                   .nonfinite(nonfinite));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t rounds = 30;
+  std::vector<int> workloads = {0, 1, 2};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--rounds") {
+      rounds = std::max<int64_t>(3, std::stoll(value));
+    } else if (flag == "--workloads") {
+      workloads.clear();
+      std::stringstream in(value);
+      std::string item;
+      while (std::getline(in, item, ',')) workloads.push_back(std::stoi(item));
+    } else {
+      std::fprintf(stderr, "gwt_bench_interleaved: unknown argument '%s'\n", flag.c_str());
+      return 2;
+    }
+  }
+  const char* names[] = {"llama60m", "4096x4096", "500x(64x64+64)"};
+  std::printf("| workload | variant | median ms / step | vs `at::_fused_adam_` (median of rounds) | "
+              "range over rounds |\n|---|---|---:|---:|---:|\n");
+  for (const int which : workloads) {
+    std::vector<std::unique_ptr<torch::optim::Optimizer>> keep;
+    std::vector<Variant> variants;
+    {  // at::_fused_adam_, the kernel behind torch.optim.Adam(fused=True)
+      auto params = gwt_bench::make_workload(which);
+      std::vector<at::Tensor> p, g, m, v, steps;
+      for (const auto& x : params) {
+        p.push_back(x.detach()), g.push_back(x.grad());
+        m.push_back(at::zeros_like(x)), v.push_back(at::zeros_like(x));
+        steps.push_back(at::zeros({}, x.options()));
+      }
+      variants.push_back({"`at::_fused_adam_`", [p, g, m, v, steps]() mutable {
+                            for (auto& s : steps) s.add_(1);
+                            at::_fused_adam_(p, g, m, v, {}, steps, 1e-3, 0.9, 0.999, 0.0, 1e-8,
+                                             false, false);
+                          }, {}});
+    }
+    auto add = [&](const std::string& name, std::unique_ptr<torch::optim::Optimizer> opt) {
+      torch::optim::Optimizer* o = opt.get();
+      keep.push_back(std::move(opt));
+      variants.push_back({name, [o] { o->step(); }, {}});
+    };
+    add("`torch::optim::Adam`", std::make_unique<torch::optim::Adam>(
+                                    gwt_bench::make_workload(which), torch::optim::AdamOptions(1e-3)));
+    add("WaveletAdam haar L=2", wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_step"));
+    add("WaveletAdam haar L=2, skip_param",
+        wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_param"));
+    add("WaveletAdam haar 2-D L=2", wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_step"));
+    add("WaveletAdam db2 L=2", wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
+    for (auto& v : variants) v.step();  // state created, caches warm
+    for (int64_t r = 0; r < rounds; ++r) {
+      for (auto& v : variants) {
+        const auto t0 = std::chrono::steady_clock::now();
+        v.step();
+        v.ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::fprintf(stderr, "\r%s: round %lld/%lld ", names[which], static_cast<long long>(r + 1),
+                   static_cast<long long>(rounds));
+    }
+    std::fprintf(stderr, "\n");
+    for (const auto& v : variants) {
+      std::vector<double> ratio;
+      for (int64_t r = 0; r < rounds; ++r) ratio.push_back(v.ms[r] / variants[0].ms[r]);
+      std::printf("| %s | %s | %.2f | %.2fx | %.2fx-%.2fx |\n", names[which], v.name.c_str(),
+                  median(v.ms), median(ratio), *std::min_element(ratio.begin(), ratio.end()),
+                  *std::max_element(ratio.begin(), ratio.end()));
+    }
+  }
+  return 0;
+}
