@@ -4,6 +4,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 gwt_setup
 mkdir -p "$GWT_ROOT/build"
-gwt_build "$GWT_ROOT/build" -DGWT_WARNINGS_AS_ERRORS=ON -DGWT_BUILD_TESTS=ON -DGWT_BUILD_EXAMPLES=ON
+gwt_build "$GWT_ROOT/build" -DGWT_WARNINGS_AS_ERRORS=ON -DGWT_BUILD_TESTS=ON -DGWT_BUILD_EXAMPLES=ON -DGWT_BUILD_GPU_CHECK=ON
 cd "$GWT_ROOT/build"
 ctest --output-on-failure --timeout 900 "$@"
