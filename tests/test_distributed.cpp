@@ -236,7 +236,9 @@ void scenario_checkpoint() {
   run.pg = pg;
   const int64_t half = kSteps / 2;
   ShardedWaveletAdam opt(pg, p.params, options());
+  run.nan_step = 1, run.nan_rank = 1;  // one skipped step, which the full checkpoint must carry
   train(p, opt, run, 0, half);
+  run.nan_step = -1;
   const std::vector<at::Tensor> mid = values(p);
   save_values(mid, rank_file("mid", rank));
   opt.save_full(dir() + "/full.pt");
@@ -250,6 +252,7 @@ void scenario_checkpoint() {
   again.load_shard(dir() + "/shard");
   train(p, again, run, half, kSteps);
   save_values(values(p), rank_file("reloaded", rank));
+  write_text(rank_file("skipped", rank), std::to_string(again.skipped_steps()));
 
   // A single-process checkpoint (the parent wrote it, with its parameters at that step).
   set_values(p, load_values(dir(), "single_mid.pt"));
@@ -536,12 +539,15 @@ TEST(Distributed, DeadRankIsAnErrorWithinTheTimeout) {
 TEST(Distributed, CheckpointsShardFullAndSingleProcess) {
   const std::string d = fresh_dir("ckpt");
   const int64_t half = kSteps / 2;
-  // The single-process checkpoint for load_full, and the reference runs.
+  // The single-process checkpoint for load_full, and the reference runs (step 1 skipped, as the
+  // sharded run's NaN on rank 1 skips it there).
   std::vector<at::Tensor> single_mid, single_end;
+  ::Run skip_one;
+  skip_one.nan_step = 1, skip_one.nan_rank = 0;
   {
     Problem p = make_problem();
     gwt::WaveletAdam opt(p.params, options());
-    train(p, opt, ::Run{}, 0, half);
+    train(p, opt, skip_one, 0, half);
     single_mid = values(p);
     torch::save(single_mid, d + "/single_mid.pt");
     torch::save(opt, d + "/single.pt");
@@ -559,6 +565,7 @@ TEST(Distributed, CheckpointsShardFullAndSingleProcess) {
     EXPECT_LT(max_diff(load_values(d, rank_file("from_single", r)), single_end), 1e-9)
         << "rank " << r << ": continuing from a single-process checkpoint";
     EXPECT_LT(max_diff(end, single_end), 1e-9);
+    EXPECT_EQ(read_text(d, rank_file("skipped", r)), "1") << "the shard keeps the skip count";
   }
   {
     // The gathered checkpoint continues in one process as the sharded run did.
@@ -566,6 +573,7 @@ TEST(Distributed, CheckpointsShardFullAndSingleProcess) {
     set_values(p, load_values(d, rank_file("mid", 0)));
     gwt::WaveletAdam opt(p.params, options());
     torch::load(opt, d + "/full.pt");
+    EXPECT_EQ(opt.skipped_steps(), 1) << "save_full carries the skip count";
     train(p, opt, ::Run{}, half, kSteps);
     EXPECT_LT(max_diff(values(p), load_values(d, rank_file("params", 0))), 1e-9)
         << "a single WaveletAdam loading save_full's checkpoint";

@@ -112,7 +112,8 @@ class ShardedWaveletAdam : public torch::optim::Optimizer {
   void save_shard(const std::string& path) const;
   void load_shard(const std::string& path);
   /// Collective: rank 0 gathers every shard and writes a checkpoint that a single-process
-  /// gwt::WaveletAdam over the same parameter groups loads with torch::load.
+  /// gwt::WaveletAdam over the same parameter groups loads with torch::load (with this run's
+  /// skipped_steps()).
   void save_full(const std::string& path) const;
   /// Collective: rank 0 reads a single-process WaveletAdam checkpoint (or one save_full wrote) and
   /// sends it to every rank, which keeps the state of the parameters it owns.

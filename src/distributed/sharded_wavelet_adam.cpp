@@ -327,6 +327,7 @@ void ShardedWaveletAdam::save_full(const std::string& path) const {
       std::vector<torch::optim::OptimizerParamGroup> groups;
       for (const auto& g : param_groups_) groups.emplace_back(g.params(), g.options().clone());
       WaveletAdam full(std::move(groups), wavelet_options(param_groups_[0]));
+      full.skipped_steps_ = skipped_steps_;
       for (const auto& t : all) {
         const at::Tensor b = t.cpu();
         int64_t len = 0;

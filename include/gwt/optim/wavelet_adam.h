@@ -16,6 +16,10 @@
 
 namespace gwt {
 
+namespace distributed {
+class ShardedWaveletAdam;
+}
+
 /// Options of gwt::WaveletAdam, fluent like torch::optim::AdamWOptions.
 ///
 /// A parameter is *eligible* for the wavelet path when level > 0, it has at least two dimensions
@@ -156,6 +160,8 @@ class WaveletAdam : public torch::optim::Optimizer {
 
  private:
   int64_t skipped_steps_ = 0;
+  // Gathers a checkpoint (save_full) whose skip count is the sharded run's.
+  friend class distributed::ShardedWaveletAdam;
 };
 
 /// Throws a TORCH_CHECK error naming the first invalid option (and what would be valid).
