@@ -35,11 +35,10 @@ std::unique_ptr<torch::optim::Optimizer> wavelet(std::vector<at::Tensor> params,
                                                  const std::string& w, int64_t level,
                                                  const std::string& transform,
                                                  const std::string& nonfinite) {
-  return std::make_unique<gwt::WaveletAdam>(std::move(params), gwt::WaveletAdamOptions(1e-3)
-                                                                   .wavelet(w)
-                                                                   .level(level)
-                                                                   .transform(transform)
-                                                                   .nonfinite(nonfinite));
+  return std::make_unique<gwt::WaveletAdam>(
+      std::move(params),
+      gwt::WaveletAdamOptions(1e-3).wavelet(w).level(level).transform(transform).nonfinite(
+          nonfinite));
 }
 
 double median(std::vector<double> v) {
@@ -67,8 +66,9 @@ int main(int argc, char** argv) {
     }
   }
   const char* names[] = {"llama60m", "4096x4096", "500x(64x64+64)"};
-  std::printf("| workload | variant | median ms / step | vs `at::_fused_adam_` (median of rounds) | "
-              "range over rounds |\n|---|---|---:|---:|---:|\n");
+  std::printf(
+      "| workload | variant | median ms / step | vs `at::_fused_adam_` (median of rounds) | "
+      "range over rounds |\n|---|---|---:|---:|---:|\n");
   for (const int which : workloads) {
     std::vector<std::unique_ptr<torch::optim::Optimizer>> keep;
     std::vector<Variant> variants;
@@ -80,31 +80,38 @@ int main(int argc, char** argv) {
         m.push_back(at::zeros_like(x)), v.push_back(at::zeros_like(x));
         steps.push_back(at::zeros({}, x.options()));
       }
-      variants.push_back({"`at::_fused_adam_`", [p, g, m, v, steps]() mutable {
+      variants.push_back({"`at::_fused_adam_`",
+                          [p, g, m, v, steps]() mutable {
                             for (auto& s : steps) s.add_(1);
                             at::_fused_adam_(p, g, m, v, {}, steps, 1e-3, 0.9, 0.999, 0.0, 1e-8,
                                              false, false);
-                          }, {}});
+                          },
+                          {}});
     }
     auto add = [&](const std::string& name, std::unique_ptr<torch::optim::Optimizer> opt) {
       torch::optim::Optimizer* o = opt.get();
       keep.push_back(std::move(opt));
       variants.push_back({name, [o] { o->step(); }, {}});
     };
-    add("`torch::optim::Adam`", std::make_unique<torch::optim::Adam>(
-                                    gwt_bench::make_workload(which), torch::optim::AdamOptions(1e-3)));
-    add("WaveletAdam haar L=2", wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_step"));
+    add("`torch::optim::Adam`",
+        std::make_unique<torch::optim::Adam>(gwt_bench::make_workload(which),
+                                             torch::optim::AdamOptions(1e-3)));
+    add("WaveletAdam haar L=2",
+        wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_step"));
     add("WaveletAdam haar L=2, skip_param",
         wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_param"));
-    add("WaveletAdam haar 2-D L=2", wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_step"));
-    add("WaveletAdam db2 L=2", wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
+    add("WaveletAdam haar 2-D L=2",
+        wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_step"));
+    add("WaveletAdam db2 L=2",
+        wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
     for (auto& v : variants) v.step();  // state created, caches warm
     for (int64_t r = 0; r < rounds; ++r) {
       for (auto& v : variants) {
         const auto t0 = std::chrono::steady_clock::now();
         v.step();
         v.ms.push_back(
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count());
       }
       std::fprintf(stderr, "\r%s: round %lld/%lld ", names[which], static_cast<long long>(r + 1),
                    static_cast<long long>(rounds));

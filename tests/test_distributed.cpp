@@ -48,8 +48,8 @@
 #include <vector>
 
 #ifdef GWT_DIST_TEST_LM
-#include "lm.h"
 #include <gwt/optim/param_groups.h>
+#include "lm.h"
 #endif
 
 namespace fs = std::filesystem;
@@ -74,7 +74,8 @@ Problem make_problem() {
   const auto o = at::TensorOptions(at::kDouble);
   Problem p;
   for (int64_t i = 0; i < kLayers; ++i) {
-    p.params.push_back((at::randn({kWidth, kWidth}, o) / std::sqrt(double(kWidth))).requires_grad_());
+    p.params.push_back(
+        (at::randn({kWidth, kWidth}, o) / std::sqrt(double(kWidth))).requires_grad_());
     p.params.push_back((0.1 * at::randn({kWidth}, o)).requires_grad_());
   }
   p.x = at::randn({kBatch, kWidth}, o);
@@ -100,9 +101,9 @@ at::Tensor loss(const Problem& p, int64_t rank, int64_t world) {
 }
 
 struct Run {
-  c10::intrusive_ptr<c10d::Backend> pg;  // null: one process, the whole batch
-  bool average = false;                 // call all_reduce_gradients before step()
-  int64_t nan_step = -1, nan_rank = -1;  // poison one gradient entry there
+  c10::intrusive_ptr<c10d::Backend> pg;    // null: one process, the whole batch
+  bool average = false;                    // call all_reduce_gradients before step()
+  int64_t nan_step = -1, nan_rank = -1;    // poison one gradient entry there
   int64_t exit_step = -1, exit_rank = -1;  // that rank dies before this step's collective
 };
 
@@ -354,7 +355,7 @@ struct Spawn {
   std::string scenario;
   int64_t world = 2;
   bool tcp = false;         // a TCPStore on 127.0.0.1 (else a FileStore in the directory)
-  double timeout_s = 60;   // every collective's bound (GWT_DIST_TIMEOUT_S)
+  double timeout_s = 60;    // every collective's bound (GWT_DIST_TIMEOUT_S)
   double deadline_s = 240;  // the parent kills what is still running after this
 };
 
@@ -441,8 +442,8 @@ std::vector<int> spawn(const Spawn& sp, const std::string& d) {
 }
 
 std::string fresh_dir(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() /
-                     ("gwt-dist-" + name + "-" + std::to_string(getpid()));
+  const fs::path d =
+      fs::temp_directory_path() / ("gwt-dist-" + name + "-" + std::to_string(getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
   return d.string();
@@ -509,10 +510,18 @@ void check_against_single(const std::string& scenario, int64_t world, bool tcp) 
   fs::remove_all(d);
 }
 
-TEST(Distributed, AllReduceTwoRanksTcpMatchesOneProcess) { check_against_single("allreduce", 2, true); }
-TEST(Distributed, AllReduceThreeRanksMatchesOneProcess) { check_against_single("allreduce", 3, false); }
-TEST(Distributed, ShardedTwoRanksMatchesOneProcess) { check_against_single("sharded", 2, true); }
-TEST(Distributed, ShardedThreeRanksMatchesOneProcess) { check_against_single("sharded", 3, false); }
+TEST(Distributed, AllReduceTwoRanksTcpMatchesOneProcess) {
+  check_against_single("allreduce", 2, true);
+}
+TEST(Distributed, AllReduceThreeRanksMatchesOneProcess) {
+  check_against_single("allreduce", 3, false);
+}
+TEST(Distributed, ShardedTwoRanksMatchesOneProcess) {
+  check_against_single("sharded", 2, true);
+}
+TEST(Distributed, ShardedThreeRanksMatchesOneProcess) {
+  check_against_single("sharded", 3, false);
+}
 TEST(Distributed, NonFiniteGradientOnOneRankSkipsEveryRank) {
   check_against_single("nonfinite_allreduce", 2, false);
   check_against_single("nonfinite_sharded", 3, false);
@@ -583,8 +592,9 @@ TEST(Distributed, CheckpointsShardFullAndSingleProcess) {
   fs::remove(d + "/store");
   expect_all_zero(spawn(sp, d), "mismatch");
   for (int64_t r = 0; r < 2; ++r)
-    EXPECT_NE(read_text(d, rank_file("error", r)).find("saved by a run of 2 ranks and this run has 3"),
-              std::string::npos)
+    EXPECT_NE(
+        read_text(d, rank_file("error", r)).find("saved by a run of 2 ranks and this run has 3"),
+        std::string::npos)
         << read_text(d, rank_file("error", r));
   EXPECT_NE(read_text(d, "error-2").find("was the checkpoint saved with another world size?"),
             std::string::npos)
@@ -659,7 +669,8 @@ TEST(Distributed, BadEnvironmentAndOptionsAreClearErrors) {
   const std::string d = fresh_dir("env");
   {
     EnvGuard env({{"WORLD_SIZE", "2"}, {"RANK", "5"}, {"GWT_STORE_FILE", d + "/s"}});
-    expect_error([] { gwt::distributed::init_from_env(); }, "RANK='5' is not a whole number from 0 to 1");
+    expect_error([] { gwt::distributed::init_from_env(); },
+                 "RANK='5' is not a whole number from 0 to 1");
   }
   {
     EnvGuard env({{"WORLD_SIZE", "2"}, {"RANK", "0"}, {"GWT_STORE_FILE", ""}, {"MASTER_PORT", ""}});
@@ -691,12 +702,15 @@ TEST(Distributed, BadEnvironmentAndOptionsAreClearErrors) {
       EXPECT_TRUE(at::equal(p.params[i].grad(), before[i])) << "a refused call changed a gradient";
     // One rank: the full average is the gradient itself; the bytes are counted.
     gwt::distributed::all_reduce_gradients(pg, p.params);
-    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(p.params[i].grad(), before[i]));
+    for (size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(at::equal(p.params[i].grad(), before[i]));
     const auto stats = gwt::distributed::last_grad_sync_stats();
     EXPECT_EQ(stats.bytes_sent, stats.bytes_full);
     EXPECT_EQ(stats.bytes_full, (kLayers * (kWidth * kWidth + kWidth)) * 8);
-    expect_error([&] { ShardedWaveletAdam(nullptr, p.params, options()); }, "process group is null");
-    expect_error([&] { gwt::distributed::broadcast_parameters(pg, p.params, 1); }, "root 1 is not a rank");
+    expect_error([&] { ShardedWaveletAdam(nullptr, p.params, options()); },
+                 "process group is null");
+    expect_error([&] { gwt::distributed::broadcast_parameters(pg, p.params, 1); },
+                 "root 1 is not a rank");
   }
   fs::remove_all(d);
 }
@@ -705,8 +719,8 @@ TEST(Distributed, BadEnvironmentAndOptionsAreClearErrors) {
 // at level 2. The approximation band (16 of the 64 coefficients of each row) arrives exactly at
 // every call; the 48 detail coefficients of a row go as signs and one scale, and error feedback
 // keeps what the sketch missed. So the mean of what was sent approaches g: its error is the last
-// residual / calls, and the residual stays bounded (measured: 0.031 |g| after 200 calls, 0.088 after
-// 50: residuals of 6 |g| and 4 |g|). Nothing here is random (fixed data, float64), so those
+// residual / calls, and the residual stays bounded (measured: 0.031 |g| after 200 calls, 0.088
+// after 50: residuals of 6 |g| and 4 |g|). Nothing here is random (fixed data, float64), so those
 // cannot drift to the bounds (0.1, and a halving from 50 to 200 calls) on another machine. Without
 // error feedback every call sends the same sketch, whose error (per row, a
 // 1-bit sketch of 48 Gaussian values keeps only sqrt(2/pi) of their norm) is about 0.5 |g|.
@@ -731,9 +745,12 @@ TEST(Distributed, ErrorFeedbackDeliversTheWholeGradient) {
       w.mutable_grad() = g.clone();
       gwt::distributed::all_reduce_gradients(pg, {w}, o);
       sent += w.grad();
-      const double band_error =
-          (gwt::wavedec(w.grad(), gwt::Wavelet("haar"), 2).approx - approx).abs().max().item<double>();
-      EXPECT_LT(band_error, 1e-12) << "call " << k << ": the approximation band must arrive exactly";
+      const double band_error = (gwt::wavedec(w.grad(), gwt::Wavelet("haar"), 2).approx - approx)
+                                    .abs()
+                                    .max()
+                                    .item<double>();
+      EXPECT_LT(band_error, 1e-12)
+          << "call " << k << ": the approximation band must arrive exactly";
       const auto stats = gwt::distributed::last_grad_sync_stats();
       // The band in float64, one bit per detail coefficient, one float64 scale per row.
       EXPECT_EQ(stats.bytes_sent, rows * (n / 4) * 8 + rows * (3 * n / 4) / 8 + rows * 8);
@@ -745,7 +762,8 @@ TEST(Distributed, ErrorFeedbackDeliversTheWholeGradient) {
               << calls << " calls: " << error_at_50 << " / " << error << " |g|\n";
     if (feedback) {
       EXPECT_LT(error, 0.1);
-      EXPECT_LT(error, 0.5 * error_at_50) << "the residual must stay bounded: the error falls as 1/calls";
+      EXPECT_LT(error, 0.5 * error_at_50)
+          << "the residual must stay bounded: the error falls as 1/calls";
     } else {
       EXPECT_GT(error, 0.3);
     }

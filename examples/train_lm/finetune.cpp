@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.h"
 #include "lm.h"
 
 namespace {
@@ -37,24 +38,6 @@ struct Args {
   int64_t pretrain_steps = 500, steps = 150;
   bool quiet = false;
 };
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::istringstream in(s);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
-int64_t parse_steps(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(value, &used);
-    if (used == value.size() && v >= 1 && v <= 1000000000LL) return static_cast<int64_t>(v);
-  } catch (const std::exception&) {
-  }
-  throw lm::InputError(flag + " needs a whole number from 1 to 10^9, got '" + value + "'");
-}
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -67,11 +50,12 @@ Args parse(int argc, char** argv) {
     if (flag == "--out")
       a.out = value();
     else if (flag == "--methods")
-      a.methods = split(value());
+      a.methods = lm::split_list(value());
     else if (flag == "--pretrain-steps")
-      a.pretrain_steps = parse_steps(flag, value());
+      a.pretrain_steps =
+          lm::parse_whole(flag, value(), 1, 1000000000LL, "a whole number from 1 to 10^9");
     else if (flag == "--steps")
-      a.steps = parse_steps(flag, value());
+      a.steps = lm::parse_whole(flag, value(), 1, 1000000000LL, "a whole number from 1 to 10^9");
     else if (flag == "--corpus")
       a.corpus = value();
     else if (flag == "--new-corpus")
@@ -84,17 +68,6 @@ Args parse(int argc, char** argv) {
   }
   if (a.methods.empty()) throw lm::InputError("--methods needs at least one name");
   return a;
-}
-
-void progress(const std::string& label, int64_t step, int64_t total, double loss, double elapsed) {
-  const int width = 30;
-  const int filled = static_cast<int>(width * (step + 1) / total);
-  const double eta =
-      elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
-  std::fprintf(stderr, "\r%-44s [%s%s] %5lld/%lld loss %.3f ETA %4.0fs ", label.c_str(),
-               std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
-               static_cast<long long>(step + 1), static_cast<long long>(total), loss, eta);
-  if (step + 1 == total) std::fprintf(stderr, "\n");
 }
 
 struct Point {
@@ -152,8 +125,9 @@ Run train(lm::Decoder& model, torch::optim::Optimizer& opt, const std::string& t
       run.points.push_back({step + 1, recent, lm::evaluate(model, data.new_val, preset.batch),
                             lm::evaluate(model, data.old_val, preset.batch)});
     if (!quiet && ((step + 1) % 5 == 0 || step + 1 == steps))
-      progress(label, step, steps, recent,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      lm::progress_bar(
+          label, 44, step, steps, recent,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   run.ms_per_step = 1000.0 * seconds / static_cast<double>(steps);
   return run;

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.h"
 #include "lm.h"
 #include "scale_out.h"
 
@@ -42,47 +43,6 @@ struct Args {
   double lr_adamw = 1e-3, lr_wavelet = 3e-3, scale = 0.25;
   bool quiet = false;
 };
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::istringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
-double parse_double(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(value, &used);
-    if (used == value.size() && std::isfinite(v) && v > 0) return v;
-  } catch (const std::exception&) {
-  }
-  throw lm::InputError(flag + " needs a positive number, got '" + value + "'");
-}
-
-// A whole number of steps in [1, 10^12]: a fraction or a value past int64 was truncated (0.5
-// became 0, which silently meant the preset's count) or undefined behaviour.
-int64_t parse_steps(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(value, &used);
-    if (used == value.size() && v >= 1 && v <= 1000000000000LL) return static_cast<int64_t>(v);
-  } catch (const std::exception&) {
-  }
-  throw lm::InputError(flag + " needs a whole number from 1 to 10^12, got '" + value + "'");
-}
-
-int64_t parse_nproc(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(value, &used);
-    if (used == value.size() && v >= 1 && v <= 64) return static_cast<int64_t>(v);
-  } catch (const std::exception&) {
-  }
-  throw lm::InputError(flag + " needs a whole number of processes from 1 to 64, got '" + value + "'");
-}
 
 // torchrun's WORLD_SIZE, 1 when this process was not launched by it.
 int64_t torchrun_world() {
@@ -101,23 +61,24 @@ Args parse(int argc, char** argv) {
     if (flag == "--preset")
       a.preset = value();
     else if (flag == "--optimizers")
-      a.optimizers = split(value()), a.optimizers_given = true;
+      a.optimizers = lm::split_list(value()), a.optimizers_given = true;
     else if (flag == "--nproc")
-      a.nproc = parse_nproc(flag, value());
+      a.nproc = lm::parse_whole(flag, value(), 1, 64, "a whole number of processes from 1 to 64");
     else if (flag == "--corpus")
       a.corpus = value();
     else if (flag == "--out")
       a.out = value();
     else if (flag == "--steps")
-      a.steps = parse_steps(flag, value());
+      a.steps =
+          lm::parse_whole(flag, value(), 1, 1000000000000LL, "a whole number from 1 to 10^12");
     else if (flag == "--device")
       a.device = value();
     else if (flag == "--lr-adamw")
-      a.lr_adamw = parse_double(flag, value());
+      a.lr_adamw = lm::parse_positive(flag, value());
     else if (flag == "--lr-wavelet")
-      a.lr_wavelet = parse_double(flag, value());
+      a.lr_wavelet = lm::parse_positive(flag, value());
     else if (flag == "--scale")
-      a.scale = parse_double(flag, value());
+      a.scale = lm::parse_positive(flag, value());
     else if (flag == "--quiet")
       a.quiet = true;
     else
@@ -128,17 +89,6 @@ Args parse(int argc, char** argv) {
     throw lm::InputError("--device must be cpu or cuda, got '" + a.device + "'");
   if (a.optimizers.empty()) throw lm::InputError("--optimizers needs at least one name");
   return a;
-}
-
-void progress(const std::string& label, int64_t step, int64_t total, double loss, double elapsed) {
-  const int width = 30;
-  const int filled = static_cast<int>(width * (step + 1) / total);
-  const double eta =
-      elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
-  std::fprintf(stderr, "\r%-22s [%s%s] %5lld/%lld loss %.3f ETA %4.0fs ", label.c_str(),
-               std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
-               static_cast<long long>(step + 1), static_cast<long long>(total), loss, eta);
-  if (step + 1 == total) std::fprintf(stderr, "\n");
 }
 
 // One run, in the child process.
@@ -177,8 +127,9 @@ lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpu
       lm::write_csv(csv, points);
     }
     if (!args.quiet && ((step + 1) % 5 == 0 || step + 1 == preset.steps))
-      progress(spec.label, step, preset.steps, recent_loss,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      lm::progress_bar(
+          spec.label, 22, step, preset.steps, recent_loss,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   lm::RunSummary s;
   s.name = spec.name, s.label = spec.label, s.lr = spec.lr, s.scale = spec.scale;
@@ -201,8 +152,8 @@ int main(int argc, char** argv) {
   std::vector<lm::OptimizerSpec> specs;
   std::vector<std::string> scale_out;
   const int64_t launched = torchrun_world();
-  const bool rank0 = launched == 1 || std::getenv("RANK") == nullptr ||
-                     std::string(std::getenv("RANK")) == "0";
+  const bool rank0 =
+      launched == 1 || std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0";
   try {
     args = parse(argc, argv);
     if (launched > 1 && args.nproc > 1)
@@ -223,10 +174,12 @@ int main(int argc, char** argv) {
     for (const auto& name : args.optimizers) {
       if (lm::is_scale_out(name)) {
         if (world < 2)
-          throw lm::InputError(name + " is a scale-out run: give --nproc N (N >= 2) or launch "
+          throw lm::InputError(name +
+                               " is a scale-out run: give --nproc N (N >= 2) or launch "
                                "with torchrun");
         if (!lm::scale_out_available())
-          throw lm::InputError(name + " needs gwt::distributed, and gwt was built without it "
+          throw lm::InputError(name +
+                               " needs gwt::distributed, and gwt was built without it "
                                "(Gloo's headers were not found; apt install libgloo-dev)");
         scale_out.push_back(name);
         continue;
@@ -254,11 +207,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (rank0)
-    std::fprintf(stderr,
-               "train_lm: preset %s, corpus %s (%lld documents, %zu train / %zu validation bytes), "
-               "%lld steps\n",
-               preset.name.c_str(), corpus.source.c_str(), static_cast<long long>(corpus.documents),
-               corpus.train.size(), corpus.val.size(), static_cast<long long>(preset.steps));
+    std::fprintf(
+        stderr,
+        "train_lm: preset %s, corpus %s (%lld documents, %zu train / %zu validation bytes), "
+        "%lld steps\n",
+        preset.name.c_str(), corpus.source.c_str(), static_cast<long long>(corpus.documents),
+        corpus.train.size(), corpus.val.size(), static_cast<long long>(preset.steps));
 
   std::vector<lm::RunSummary> runs;
   for (const auto& spec : specs) {

@@ -147,7 +147,8 @@ int main(int argc, char** argv) {
       else
         throw lm::InputError("unknown argument '" + flag + "'");
     }
-    if (steps < 2) throw lm::InputError("--steps must be at least 2 (the first step allocates the state)");
+    if (steps < 2)
+      throw lm::InputError("--steps must be at least 2 (the first step allocates the state)");
     preset = lm::preset(preset_name);
     preset.batch = batch;
     corpus = lm::load_corpus("", preset.model.seq_len);
@@ -195,13 +196,14 @@ int main(int argc, char** argv) {
   const double state_diff = static_cast<double>(a.state_bytes - w.state_bytes);
   const double peak_diff = static_cast<double>(a.allocator_peak - w.allocator_peak);
   const double rss_diff = static_cast<double>(a.rss_peak - w.rss_peak);
-  std::cout << "Preset `" << preset.name << "` (" << preset.model.dim << " wide, "
-            << preset.model.layers << " layers), batch " << preset.batch << " x "
-            << preset.model.seq_len << ", " << steps << " steps of forward, backward and step; "
-            << "one process per optimizer.\n\n"
-            << "| optimizer | state MiB | allocator peak MiB | peak RSS MiB | allocations in a step "
-               "| of more than 16 bytes | bytes allocated in a step |\n"
-               "|---|---:|---:|---:|---:|---:|---:|\n";
+  std::cout
+      << "Preset `" << preset.name << "` (" << preset.model.dim << " wide, " << preset.model.layers
+      << " layers), batch " << preset.batch << " x " << preset.model.seq_len << ", " << steps
+      << " steps of forward, backward and step; "
+      << "one process per optimizer.\n\n"
+      << "| optimizer | state MiB | allocator peak MiB | peak RSS MiB | allocations in a step "
+         "| of more than 16 bytes | bytes allocated in a step |\n"
+         "|---|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& r : results)
     std::cout << "| " << r.label << " | " << mib(static_cast<double>(r.state_bytes)) << " | "
               << mib(static_cast<double>(r.allocator_peak)) << " | "
@@ -210,8 +212,8 @@ int main(int argc, char** argv) {
   const double ratio = peak_diff / state_diff;
   std::cout << "\nAdamW minus WaveletAdam: state " << mib(state_diff) << " MiB, allocator peak "
             << mib(peak_diff) << " MiB (" << std::fixed << std::setprecision(3) << ratio
-            << "x the state's), peak RSS " << mib(rss_diff) << " MiB ("
-            << rss_diff / state_diff << "x).\n";
+            << "x the state's), peak RSS " << mib(rss_diff) << " MiB (" << rss_diff / state_diff
+            << "x).\n";
   const bool ok = std::abs(ratio - 1.0) <= 0.10;
   std::cout << (ok ? "PASS" : "FAIL")
             << ": the allocator peaks differ by the state's difference within 10%\n";

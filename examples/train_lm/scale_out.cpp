@@ -3,6 +3,8 @@
 
 #include "scale_out.h"
 
+#include "cli.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <netinet/in.h>
@@ -30,7 +32,9 @@
 
 namespace lm {
 
-std::vector<std::string> scale_out_names() { return {"dp-full", "dp-wavelet", "dp-sharded"}; }
+std::vector<std::string> scale_out_names() {
+  return {"dp-full", "dp-wavelet", "dp-sharded"};
+}
 
 bool is_scale_out(const std::string& name) {
   for (const auto& n : scale_out_names())
@@ -107,8 +111,9 @@ ScaleOutSummary run_one(const ScaleOutConfig& c, const Corpus& corpus, const std
   if (c.device == "cuda") {
     const char* local = std::getenv("LOCAL_RANK");
     const auto count = static_cast<int64_t>(torch::cuda::device_count());
-    device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(
-                                       (local ? std::atoll(local) : rank) % std::max<int64_t>(1, count)));
+    device =
+        at::Device(at::kCUDA, static_cast<c10::DeviceIndex>((local ? std::atoll(local) : rank) %
+                                                            std::max<int64_t>(1, count)));
   }
   at::manual_seed(1234);  // the initial model of the single-process runs
   Decoder model(preset.model);
@@ -171,17 +176,8 @@ ScaleOutSummary run_one(const ScaleOutConfig& c, const Corpus& corpus, const std
       points.push_back({step + 1, lr, recent, evaluate(model, val, preset.batch), elapsed});
       write_csv(c.out + "/" + name + ".csv", points);
     }
-    if (rank == 0 && !c.quiet && ((step + 1) % 5 == 0 || step + 1 == preset.steps)) {
-      const int width = 30;
-      const int filled = static_cast<int>(width * (step + 1) / preset.steps);
-      const double eta = elapsed / static_cast<double>(step + 1) *
-                         static_cast<double>(preset.steps - step - 1);
-      std::fprintf(stderr, "\r%-22s [%s%s] %5lld/%lld loss %.3f ETA %4.0fs ",
-                   (name + " x" + std::to_string(world)).c_str(), std::string(filled, '=').c_str(),
-                   std::string(width - filled, ' ').c_str(), static_cast<long long>(step + 1),
-                   static_cast<long long>(preset.steps), recent, eta);
-      if (step + 1 == preset.steps) std::fprintf(stderr, "\n");
-    }
+    if (rank == 0 && !c.quiet && ((step + 1) % 5 == 0 || step + 1 == preset.steps))
+      progress_bar(name + " x" + std::to_string(world), 22, step, preset.steps, recent, elapsed);
   }
   int64_t state = 0;
   if (sharded != nullptr)
@@ -225,14 +221,14 @@ std::vector<ScaleOutSummary> run_scale_out_in_process(const ScaleOutConfig& conf
   return out;
 #else
   (void)config, (void)corpus, (void)names;
-  throw InputError("scale-out runs need gwt::distributed, and gwt was built without it (Gloo's "
-                   "headers were not found; Debian/Ubuntu: apt install libgloo-dev)");
+  throw InputError(
+      "scale-out runs need gwt::distributed, and gwt was built without it (Gloo's "
+      "headers were not found; Debian/Ubuntu: apt install libgloo-dev)");
 #endif
 }
 
 std::vector<ScaleOutSummary> spawn_scale_out(const ScaleOutConfig& config, const Corpus& corpus,
-                                             const std::vector<std::string>& names,
-                                             int64_t nproc) {
+                                             const std::vector<std::string>& names, int64_t nproc) {
   std::vector<ScaleOutSummary> out;
   for (const auto& name : names) {
     const int port = free_port();
@@ -250,8 +246,8 @@ std::vector<ScaleOutSummary> spawn_scale_out(const ScaleOutConfig& config, const
         setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
         // The cores shared out among the ranks, as torchrun does with OMP_NUM_THREADS.
         if (std::getenv("OMP_NUM_THREADS") == nullptr)
-          at::set_num_threads(std::max<int>(
-              1, static_cast<int>(std::thread::hardware_concurrency() / nproc)));
+          at::set_num_threads(
+              std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency() / nproc)));
         try {
           const auto s = run_scale_out_in_process(config, corpus, {name});
           if (r == 0) write_scale_out_summary(summary, s.front());

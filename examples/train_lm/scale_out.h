@@ -37,7 +37,8 @@ struct ScaleOutSummary {
 
 /// Runs `name` in this process, one rank of the group made from the environment (torchrun's
 /// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Rank 0's summaries hold the validation loss
-/// (it evaluates) and rank 0 writes <out>/<name>.csv. Throws InputError when the global batch does not split.
+/// (it evaluates) and rank 0 writes <out>/<name>.csv. Throws InputError when the global batch does
+/// not split.
 std::vector<ScaleOutSummary> run_scale_out_in_process(const ScaleOutConfig& config,
                                                       const Corpus& corpus,
                                                       const std::vector<std::string>& names);

@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.h"
 #include "lm.h"
 
 namespace {
@@ -48,26 +49,6 @@ struct Args {
   bool skip_load = false;
 };
 
-int64_t parse_int(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(value, &used);
-    if (used == value.size() && v > 0) return v;
-  } catch (const std::exception&) {
-  }
-  throw lm::InputError(flag + " needs a positive integer, got '" + value + "'");
-}
-
-double parse_double(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(value, &used);
-    if (used == value.size() && std::isfinite(v) && v > 0) return v;
-  } catch (const std::exception&) {
-  }
-  throw lm::InputError(flag + " needs a positive number, got '" + value + "'");
-}
-
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -77,30 +58,26 @@ Args parse(int argc, char** argv) {
       return argv[++i];
     };
     if (flag == "--steps")
-      a.steps = parse_int(flag, value());
+      a.steps = lm::parse_whole(flag, value(), 1, INT64_MAX, "a positive integer");
     else if (flag == "--every")
-      a.every = parse_int(flag, value());
+      a.every = lm::parse_whole(flag, value(), 1, INT64_MAX, "a positive integer");
     else if (flag == "--batch")
-      a.batch = parse_int(flag, value());
+      a.batch = lm::parse_whole(flag, value(), 1, INT64_MAX, "a positive integer");
     else if (flag == "--seq")
-      a.seq = parse_int(flag, value());
+      a.seq = lm::parse_whole(flag, value(), 1, INT64_MAX, "a positive integer");
     else if (flag == "--corpus")
       a.corpus = value();
     else if (flag == "--dir")
       a.dir = value();
     else if (flag == "--lr")
-      a.lr = parse_double(flag, value());
+      a.lr = lm::parse_positive(flag, value());
     else if (flag == "--scale")
-      a.scale = parse_double(flag, value());
+      a.scale = lm::parse_positive(flag, value());
     else if (flag == "--skip-load")
       a.skip_load = true;
-    else if (flag == "--optimizers") {
-      a.optimizers.clear();
-      std::istringstream in(value());
-      std::string item;
-      while (std::getline(in, item, ','))
-        if (!item.empty()) a.optimizers.push_back(item);
-    } else
+    else if (flag == "--optimizers")
+      a.optimizers = lm::split_list(value());
+    else
       throw lm::InputError("unknown argument '" + flag +
                            "' (see the comment at the top of soak.cpp)");
   }

@@ -15,9 +15,9 @@
 /// every rank, never a hang: every wait has the group's timeout).
 
 #include <gwt/optim/wavelet_adam.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -29,18 +29,19 @@ namespace gwt {
 namespace distributed {
 
 /// Creates this process's group from torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR and
-/// MASTER_PORT (rank 0 runs the TCPStore, unless torchrun's agent does: TORCHELASTIC_USE_AGENT_STORE),
-/// or a FileStore at GWT_STORE_FILE when that is set
-/// (then MASTER_ADDR/MASTER_PORT are not needed). backend: "gloo", "nccl" or "auto" (nccl when
-/// CUDA is available and gwt was built with NCCL, else gloo). Gloo binds to MASTER_ADDR
-/// (127.0.0.1 when unset). `timeout` bounds the rendezvous and every later collective; the
-/// environment variable GWT_DIST_TIMEOUT_S overrides it.
+/// MASTER_PORT (rank 0 runs the TCPStore, unless torchrun's agent does:
+/// TORCHELASTIC_USE_AGENT_STORE), or a FileStore at GWT_STORE_FILE when that is set (then
+/// MASTER_ADDR/MASTER_PORT are not needed). backend: "gloo", "nccl" or "auto" (nccl when CUDA is
+/// available and gwt was built with NCCL, else gloo). Gloo binds to MASTER_ADDR (127.0.0.1 when
+/// unset). `timeout` bounds the rendezvous and every later collective; the environment variable
+/// GWT_DIST_TIMEOUT_S overrides it.
 c10::intrusive_ptr<c10d::Backend> init_from_env(
     const std::string& backend = "auto",
     std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
 /// How all_reduce_gradients averages. The first three members are in the order of the issue's
-/// designated initialiser GradSyncOptions{.compression = "wavelet", .level = 2, .error_feedback = true}.
+/// designated initialiser GradSyncOptions{.compression = "wavelet", .level = 2, .error_feedback =
+/// true}.
 struct GradSyncOptions {
   /// "none": every gradient all-reduced in full. "wavelet": eligible gradients (at least two
   /// dimensions and at least 2^level elements along the last one, as for WaveletAdam) are
@@ -61,11 +62,11 @@ struct GradSyncOptions {
 
 /// What the last all_reduce_gradients call of this process sent.
 struct GradSyncStats {
-  int64_t bytes_sent = 0;       ///< payload this rank all-reduced (bytes)
-  int64_t bytes_full = 0;       ///< what the uncompressed all-reduce would have sent
-  int64_t tensors = 0;          ///< gradients averaged
+  int64_t bytes_sent = 0;  ///< payload this rank all-reduced (bytes)
+  int64_t bytes_full = 0;  ///< what the uncompressed all-reduce would have sent
+  int64_t tensors = 0;     ///< gradients averaged
   int64_t compressed_tensors = 0;
-  int64_t collectives = 0;      ///< all-reduce calls (buckets)
+  int64_t collectives = 0;  ///< all-reduce calls (buckets)
 };
 
 /// Averages every defined .grad() of `params` over the ranks of `pg`, in place. Every rank must
@@ -136,10 +137,10 @@ class ShardedWaveletAdam : public torch::optim::Optimizer {
   void broadcast_parameters();
 
   c10::intrusive_ptr<c10d::Backend> pg_;
-  std::vector<at::Tensor> params_;     // every parameter, in group order
-  std::vector<int64_t> owner_;         // owner_[i]: rank of params_[i]
-  std::vector<int64_t> local_group_;   // for each group of the local optimizer, the outer group
-  std::unique_ptr<WaveletAdam> local_; // the parameters this rank owns (null when none)
+  std::vector<at::Tensor> params_;      // every parameter, in group order
+  std::vector<int64_t> owner_;          // owner_[i]: rank of params_[i]
+  std::vector<int64_t> local_group_;    // for each group of the local optimizer, the outer group
+  std::unique_ptr<WaveletAdam> local_;  // the parameters this rank owns (null when none)
   int64_t skipped_steps_ = 0;
   int64_t last_step_bytes_sent_ = 0;
 };

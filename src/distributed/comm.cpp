@@ -4,17 +4,17 @@
 // Debian's libgloo-dev and the symbols from LibTorch's libtorch_cpu.so; nothing of Debian's libgloo
 // is linked. That is safe because c10d::ProcessGroupGloo holds every gloo type it names by pointer
 // (std::shared_ptr<gloo::transport::Device>, std::shared_ptr<gloo::Context>, ...): the layout of a
-// ProcessGroupGloo, its Options and everything gwt touches does not depend on the gloo headers' age.
-// The distributed tests construct one and run every collective used here, so a layout that did
+// ProcessGroupGloo, its Options and everything gwt touches does not depend on the gloo headers'
+// age. The distributed tests construct one and run every collective used here, so a layout that did
 // change would fail them.
 
 #include "comm.h"
 
 #include <c10/util/irange.h>
+#include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/cuda.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -34,8 +34,8 @@ namespace distributed {
 
 #ifdef GWT_HAVE_NCCL
 namespace detail {
-c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store,
-                                            int rank, int world, std::chrono::milliseconds timeout);
+c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                            int world, std::chrono::milliseconds timeout);
 }  // namespace detail
 #endif
 
@@ -127,8 +127,10 @@ void check_same(const c10::intrusive_ptr<c10d::Backend>& pg, const std::vector<i
   allreduce(pg, on, c10d::ReduceOp::MAX, op);
   const at::Tensor r = on.cpu();
   bool same = true;
-  for (const auto i : c10::irange(n)) same = same && r[i].item<int64_t>() == -r[n + i].item<int64_t>();
-  TORCH_CHECK(same, "gwt::distributed::", op, ": ", differs, " differ between the ranks (seen on ", where(*pg),
+  for (const auto i : c10::irange(n))
+    same = same && r[i].item<int64_t>() == -r[n + i].item<int64_t>();
+  TORCH_CHECK(same, "gwt::distributed::", op, ": ", differs, " differ between the ranks (seen on ",
+              where(*pg),
               "); every rank must pass the same parameters, in the same order and shapes, with "
               "gradients defined for the same ones");
 }
@@ -157,9 +159,9 @@ std::vector<std::pair<size_t, size_t>> buckets(const std::vector<at::Tensor>& te
   int64_t bytes = 0;
   for (const auto i : c10::irange(tensors.size())) {
     const int64_t b = static_cast<int64_t>(tensors[i].nbytes());
-    const bool split = i > begin && (tensors[i].scalar_type() != tensors[begin].scalar_type() ||
-                                     tensors[i].device() != tensors[begin].device() ||
-                                     bytes + b > max_bytes);
+    const bool split =
+        i > begin && (tensors[i].scalar_type() != tensors[begin].scalar_type() ||
+                      tensors[i].device() != tensors[begin].device() || bytes + b > max_bytes);
     if (split) out.emplace_back(begin, i), begin = i, bytes = 0;
     bytes += b;
   }
@@ -305,7 +307,8 @@ c10::intrusive_ptr<c10d::Backend> init_from_env(const std::string& backend,
 #ifdef GWT_HAVE_NCCL
     return detail::make_nccl(store, static_cast<int>(rank), static_cast<int>(world), timeout);
 #else
-    TORCH_CHECK(false, who, ": backend 'nccl' was asked for, but gwt was built without NCCL "
+    TORCH_CHECK(false, who,
+                ": backend 'nccl' was asked for, but gwt was built without NCCL "
                 "(it needs a CUDA LibTorch and nccl.h at configure time); use 'gloo'");
 #endif
   }
@@ -322,8 +325,8 @@ c10::intrusive_ptr<c10d::Backend> init_from_env(const std::string& backend,
                                                        static_cast<int>(world), options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, who, ": rank ", rank, " of ", world,
-                " could not join the Gloo group within ", timeout.count() / 1000.0, " s: ",
-                e.what());
+                " could not join the Gloo group within ", timeout.count() / 1000.0,
+                " s: ", e.what());
   }
 }
 
@@ -335,8 +338,8 @@ namespace {
 
 void check_sync_options(const GradSyncOptions& o) {
   const char* who = "gwt::distributed::all_reduce_gradients";
-  TORCH_CHECK(o.compression == "none" || o.compression == "wavelet", who,
-              ": unknown compression '", o.compression, "' (valid: none, wavelet)");
+  TORCH_CHECK(o.compression == "none" || o.compression == "wavelet", who, ": unknown compression '",
+              o.compression, "' (valid: none, wavelet)");
   TORCH_CHECK(o.level >= 1 && o.level <= 30, who, ": level ", o.level,
               " is out of range (valid: 1 to 30)");
   TORCH_CHECK(std::isfinite(o.bucket_mb) && o.bucket_mb > 0 && o.bucket_mb <= 1 << 20, who,
@@ -353,9 +356,9 @@ bool compressible(const at::Tensor& g, int64_t level) {
 struct Compressed {
   std::vector<int64_t> lengths;  // of A, D_L, ..., D_1
   int64_t rows = 0, approx = 0, details = 0;
-  at::Tensor detail;             // [rows, details]: this rank's details plus its residual
-  at::Tensor scale;              // [rows]: mean |detail| of each row
-  at::Tensor packed;             // the signs of `detail`, 8 to a byte
+  at::Tensor detail;  // [rows, details]: this rank's details plus its residual
+  at::Tensor scale;   // [rows]: mean |detail| of each row
+  at::Tensor packed;  // the signs of `detail`, 8 to a byte
 };
 
 Compressed compress(const at::Tensor& e, int64_t level, at::Tensor& approx_out) {
@@ -386,9 +389,9 @@ at::Tensor pack_signs(const at::Tensor& x) {
 
 // Bits back to +1 / -1, `n` of them, in `like`'s dtype.
 at::Tensor unpack_signs(const at::Tensor& packed, int64_t n, const at::Tensor& like) {
-  const at::Tensor shifts =
-      at::arange(8, at::TensorOptions(at::kInt).device(packed.device()));
-  const at::Tensor bits = packed.to(at::kInt).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1);
+  const at::Tensor shifts = at::arange(8, at::TensorOptions(at::kInt).device(packed.device()));
+  const at::Tensor bits =
+      packed.to(at::kInt).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1);
   return bits.reshape({-1}).narrow(0, 0, n).to(like.scalar_type()).mul(2).sub(1);
 }
 
@@ -429,8 +432,9 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
     grads.push_back(g);
   }
   const bool wavelet = options.compression == "wavelet";
-  detail::check_same(pg, {static_cast<int64_t>(params.size()), detail::shape_digest(params, true),
-                          wavelet ? options.level : 0},
+  detail::check_same(pg,
+                     {static_cast<int64_t>(params.size()), detail::shape_digest(params, true),
+                      wavelet ? options.level : 0},
                      "all_reduce_gradients", "the parameters, their gradients or the compression");
   const int64_t world = pg->getSize();
   detail::Memory& m = detail::memory();
@@ -485,8 +489,8 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
   }
 
   // Bucketed SUM all-reduce of the exact payloads.
-  for (const auto& [begin, end] : detail::buckets(
-           payload, static_cast<int64_t>(options.bucket_mb * 1024 * 1024))) {
+  for (const auto& [begin, end] :
+       detail::buckets(payload, static_cast<int64_t>(options.bucket_mb * 1024 * 1024))) {
     std::vector<at::Tensor> flat;
     for (size_t i = begin; i < end; ++i) flat.push_back(payload[i].reshape({-1}));
     at::Tensor bucket = at::cat(flat).to(detail::comm_device(*pg));
@@ -511,7 +515,8 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
       if (sketch[k] && sketch[k]->detail.scalar_type() == dtype) mine.push_back(k);
     if (mine.empty()) continue;
     std::vector<at::Tensor> bits, scales;
-    for (const size_t k : mine) bits.push_back(sketch[k]->packed), scales.push_back(sketch[k]->scale);
+    for (const size_t k : mine)
+      bits.push_back(sketch[k]->packed), scales.push_back(sketch[k]->scale);
     const auto dev = detail::comm_device(*pg);
     const std::vector<at::Tensor> all_bits =
         detail::allgather(pg, at::cat(bits).to(dev), "all_reduce_gradients");

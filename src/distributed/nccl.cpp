@@ -9,8 +9,8 @@ namespace gwt {
 namespace distributed {
 namespace detail {
 
-c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store,
-                                            int rank, int world, std::chrono::milliseconds timeout) {
+c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                            int world, std::chrono::milliseconds timeout) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   try {

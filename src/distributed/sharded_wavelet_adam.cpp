@@ -35,9 +35,7 @@ const WaveletAdamOptions& wavelet_options(const torch::optim::OptimizerParamGrou
 // Bytes of state a parameter will hold under `o` (the two moments), as WaveletAdam allocates it:
 // the approximation band's shape for wavelet parameters, the parameter's for the others.
 int64_t estimated_state_bytes(const at::Tensor& p, const WaveletAdamOptions& o, bool wavelet) {
-  const int64_t elem = o.state_dtype() == "bfloat16"          ? 2
-                       : p.scalar_type() == at::kDouble       ? 8
-                                                              : 4;
+  const int64_t elem = o.state_dtype() == "bfloat16" ? 2 : p.scalar_type() == at::kDouble ? 8 : 4;
   int64_t n = p.numel();
   if (wavelet && p.numel() > 0) {
     const Wavelet w(o.wavelet());
@@ -85,9 +83,9 @@ ShardedWaveletAdam::ShardedWaveletAdam(c10::intrusive_ptr<c10d::Backend> pg,
       params_.push_back(p);
       bytes.push_back(estimated_state_bytes(p, wavelet_options(group), all.is_wavelet_param(p)));
     }
-  detail::check_same(pg_, {static_cast<int64_t>(params_.size()),
-                           detail::shape_digest(params_, false),
-                           static_cast<int64_t>(param_groups_.size())},
+  detail::check_same(pg_,
+                     {static_cast<int64_t>(params_.size()), detail::shape_digest(params_, false),
+                      static_cast<int64_t>(param_groups_.size())},
                      "ShardedWaveletAdam", "the parameters");
   // Greedy by state size, the largest first: each to the rank holding the least so far (the
   // lowest such rank on a tie). The same on every rank, since it depends only on the shapes.
@@ -127,9 +125,9 @@ void ShardedWaveletAdam::build_local() {
     local.emplace_back(std::move(mine), param_groups_[g].options().clone());
     local_group_.push_back(static_cast<int64_t>(g));
   }
-  local_ = local.empty() ? nullptr
-                         : std::make_unique<WaveletAdam>(std::move(local),
-                                                         wavelet_options(param_groups_[0]));
+  local_ = local.empty()
+               ? nullptr
+               : std::make_unique<WaveletAdam>(std::move(local), wavelet_options(param_groups_[0]));
 }
 
 void ShardedWaveletAdam::sync_local_options() {
@@ -145,7 +143,9 @@ int64_t ShardedWaveletAdam::owner(const at::Tensor& param) const {
               " is not one of this optimizer's parameters");
 }
 
-int64_t ShardedWaveletAdam::state_bytes() const { return local_ ? local_->state_bytes() : 0; }
+int64_t ShardedWaveletAdam::state_bytes() const {
+  return local_ ? local_->state_bytes() : 0;
+}
 
 at::Tensor ShardedWaveletAdam::step(LossClosure closure) {
   at::Tensor loss;
@@ -234,18 +234,19 @@ void ShardedWaveletAdam::save(torch::serialize::OutputArchive& archive) const {
 
 void ShardedWaveletAdam::load(torch::serialize::InputArchive& archive) {
   c10::IValue format, rank, world, skipped, has_local;
-  TORCH_CHECK(archive.try_read("format", format) && format.isString() &&
-                  format.toStringRef() == k_format,
-              k_who, "::load: this is not a ShardedWaveletAdam shard (no '", k_format,
-              "' format entry); a single-process WaveletAdam checkpoint loads with load_full");
+  TORCH_CHECK(
+      archive.try_read("format", format) && format.isString() && format.toStringRef() == k_format,
+      k_who, "::load: this is not a ShardedWaveletAdam shard (no '", k_format,
+      "' format entry); a single-process WaveletAdam checkpoint loads with load_full");
   TORCH_CHECK(archive.try_read("rank", rank) && archive.try_read("world_size", world) &&
                   archive.try_read("skipped_steps", skipped) &&
                   archive.try_read("has_local", has_local) && rank.isInt() && world.isInt() &&
                   skipped.isInt() && has_local.isBool(),
               k_who, "::load: the shard is damaged (rank, world_size or counters missing)");
   TORCH_CHECK(world.toInt() == pg_->getSize(), k_who, "::load: the shard was saved by a run of ",
-              world.toInt(), " ranks and this run has ", pg_->getSize(),
-              "; load it with ", world.toInt(), " ranks, or change the world size through "
+              world.toInt(), " ranks and this run has ", pg_->getSize(), "; load it with ",
+              world.toInt(),
+              " ranks, or change the world size through "
               "save_full / load_full");
   TORCH_CHECK(rank.toInt() == pg_->getRank(), k_who, "::load: the shard is rank ", rank.toInt(),
               "'s and this is rank ", pg_->getRank(), " (each rank loads path.rank-N, its own)");
@@ -257,7 +258,8 @@ void ShardedWaveletAdam::load(torch::serialize::InputArchive& archive) {
               " parameters; this optimizer has ", owner_.size());
   const std::vector<int64_t> saved(owners.data_ptr<int64_t>(),
                                    owners.data_ptr<int64_t>() + owners.numel());
-  TORCH_CHECK(saved == owner_, k_who, "::load: the shard assigns the parameters to other ranks "
+  TORCH_CHECK(saved == owner_, k_who,
+              "::load: the shard assigns the parameters to other ranks "
               "than this optimizer does (were parameters or groups changed?)");
   TORCH_CHECK(has_local.toBool() == (local_ != nullptr), k_who,
               "::load: the shard holds state for ", has_local.toBool() ? "some" : "no",
@@ -318,8 +320,8 @@ void ShardedWaveletAdam::save_full(const std::string& path) const {
   std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
   const auto n = static_cast<int64_t>(bytes.size());
   std::memcpy(buffer.data_ptr<uint8_t>() + longest, &n, 8);
-  const std::vector<at::Tensor> all = detail::allgather(
-      pg_, buffer.to(detail::comm_device(*pg_)), "ShardedWaveletAdam::save_full");
+  const std::vector<at::Tensor> all =
+      detail::allgather(pg_, buffer.to(detail::comm_device(*pg_)), "ShardedWaveletAdam::save_full");
 
   std::string error;
   if (pg_->getRank() == 0) {
@@ -367,8 +369,9 @@ void ShardedWaveletAdam::load_full(const std::string& path) {
       error = "cannot open " + path;
     }
   }
-  at::Tensor size = at::full({1}, error.empty() ? static_cast<int64_t>(bytes.size()) : -1, at::kLong)
-                        .to(detail::comm_device(*pg_));
+  at::Tensor size =
+      at::full({1}, error.empty() ? static_cast<int64_t>(bytes.size()) : -1, at::kLong)
+          .to(detail::comm_device(*pg_));
   detail::broadcast(pg_, size, 0, "ShardedWaveletAdam::load_full");
   const int64_t n = size.cpu().item<int64_t>();
   TORCH_CHECK(n >= 0, k_who, "::load_full: rank 0 ",
