@@ -582,13 +582,16 @@ std::map<std::string, std::string> read_key_values(const std::string& path) {
   return kv;
 }
 
+const std::string& value_of(const std::map<std::string, std::string>& kv, const std::string& key,
+                            const std::string& path) {
+  auto it = kv.find(key);
+  if (it == kv.end()) throw InputError("'" + path + "' has no " + key);
+  return it->second;
+}
+
 RunSummary read_summary(const std::string& path) {
   const std::map<std::string, std::string> kv = read_key_values(path);
-  auto get = [&](const char* key) {
-    auto it = kv.find(key);
-    if (it == kv.end()) throw InputError("'" + path + "' has no " + key);
-    return it->second;
-  };
+  auto get = [&](const char* key) { return value_of(kv, key, path); };
   RunSummary s;
   s.name = get("name"), s.label = get("label");
   s.lr = std::stod(get("lr")), s.scale = std::stod(get("scale"));

@@ -236,6 +236,9 @@ std::vector<EvalPoint> read_csv(const std::string& path);
 void write_summary(const std::string& path, const RunSummary& s);
 /// The key=value lines of a file (read_summary's format); InputError when it cannot be read.
 std::map<std::string, std::string> read_key_values(const std::string& path);
+/// kv[key], or an InputError saying that `path` has no `key`.
+const std::string& value_of(const std::map<std::string, std::string>& kv, const std::string& key,
+                            const std::string& path);
 RunSummary read_summary(const std::string& path);
 /// The Markdown results table; the first run (AdamW) is the baseline of the ratio columns.
 std::string results_table(const std::vector<RunSummary>& runs);

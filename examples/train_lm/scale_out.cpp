@@ -71,11 +71,7 @@ void write_scale_out_summary(const std::string& path, const ScaleOutSummary& s) 
 
 ScaleOutSummary read_scale_out_summary(const std::string& path) {
   const std::map<std::string, std::string> kv = read_key_values(path);
-  auto get = [&](const char* key) {
-    auto it = kv.find(key);
-    if (it == kv.end()) throw InputError("'" + path + "' has no " + key);
-    return it->second;
-  };
+  auto get = [&](const char* key) { return value_of(kv, key, path); };
   ScaleOutSummary s;
   s.name = get("name"), s.label = get("label");
   s.ranks = std::stoll(get("ranks")), s.steps = std::stoll(get("steps"));

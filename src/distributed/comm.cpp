@@ -65,18 +65,29 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::Backend& pg,
   }
 }
 
+namespace {
+
+// Starts a collective (`start` returns its Work) and waits for it; either failing is a c10::Error
+// that names the call and this rank.
+template <typename Start>
+void run(const c10::intrusive_ptr<c10d::Backend>& pg, const std::string& what, Start&& start) {
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = start();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "gwt::distributed: ", what, " failed on ", where(*pg), ": ", e.what());
+  }
+  wait(work, *pg, what);
+}
+
+}  // namespace
+
 void allreduce(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, c10d::ReduceOp op,
                const std::string& what) {
   std::vector<at::Tensor> tensors{t};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
-  c10::intrusive_ptr<c10d::Work> work;
-  try {
-    work = pg->allreduce(tensors, options);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "gwt::distributed: ", what, " failed on ", where(*pg), ": ", e.what());
-  }
-  wait(work, *pg, what);
+  run(pg, what, [&] { return pg->allreduce(tensors, options); });
 }
 
 void broadcast(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64_t root,
@@ -84,13 +95,7 @@ void broadcast(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64
   std::vector<at::Tensor> tensors{t};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  c10::intrusive_ptr<c10d::Work> work;
-  try {
-    work = pg->broadcast(tensors, options);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "gwt::distributed: ", what, " failed on ", where(*pg), ": ", e.what());
-  }
-  wait(work, *pg, what);
+  run(pg, what, [&] { return pg->broadcast(tensors, options); });
 }
 
 std::vector<at::Tensor> allgather(const c10::intrusive_ptr<c10d::Backend>& pg, const at::Tensor& t,
@@ -98,13 +103,7 @@ std::vector<at::Tensor> allgather(const c10::intrusive_ptr<c10d::Backend>& pg, c
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < pg->getSize(); ++r) outputs[0].push_back(at::empty_like(t));
   std::vector<at::Tensor> inputs{t};
-  c10::intrusive_ptr<c10d::Work> work;
-  try {
-    work = pg->allgather(outputs, inputs);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "gwt::distributed: ", what, " failed on ", where(*pg), ": ", e.what());
-  }
-  wait(work, *pg, what);
+  run(pg, what, [&] { return pg->allgather(outputs, inputs); });
   return outputs[0];
 }
 
@@ -359,6 +358,7 @@ struct Compressed {
   at::Tensor detail;  // [rows, details]: this rank's details plus its residual
   at::Tensor scale;   // [rows]: mean |detail| of each row
   at::Tensor packed;  // the signs of `detail`, 8 to a byte
+  at::Tensor sent;    // scale * sign: what every rank decodes of this rank's details
 };
 
 Compressed compress(const at::Tensor& e, int64_t level, at::Tensor& approx_out) {
@@ -478,6 +478,8 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
           c.detail.add_(it->second.value);
         c.scale = c.detail.abs().mean(1);
         c.packed = pack_signs(c.detail);
+        c.sent = unpack_signs(c.packed, c.detail.numel(), c.detail).view(c.detail.sizes()) *
+                 c.scale.unsqueeze(1);
         stats.bytes_sent += static_cast<int64_t>(c.packed.nbytes() + c.scale.nbytes());
         sketch[k] = std::move(c);
         ++stats.compressed_tensors;
@@ -529,6 +531,10 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
       const at::Device home = c.detail.device();
       at::Tensor sum = at::zeros_like(c.detail);
       for (int64_t r = 0; r < world; ++r) {
+        if (r == pg->getRank()) {  // this rank's own sketch, decoded once at compression
+          sum.add_(c.sent);
+          continue;
+        }
         const at::Tensor b = all_bits[r].narrow(0, bit_offset, c.packed.numel()).to(home);
         const at::Tensor s = all_scales[r].narrow(0, scale_offset, c.rows).to(home);
         sum.add_(unpack_signs(b, c.detail.numel(), c.detail).view(c.detail.sizes()) *
@@ -550,9 +556,7 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
       const Compressed& c = *sketch[k];
       g.copy_(decompress(c, payload[k], averaged[k], g));
       if (options.error_feedback) {
-        at::Tensor residual =
-            c.detail - unpack_signs(c.packed, c.detail.numel(), c.detail).view(c.detail.sizes()) *
-                           c.scale.unsqueeze(1);
+        at::Tensor residual = c.detail - c.sent;
         // A non-finite gradient (the step will be skipped) must not poison later steps.
         if (!at::isfinite(residual).all().item<bool>()) residual.zero_();
         m.residuals.insert_or_assign(
