@@ -60,8 +60,8 @@ class GeneralAdam {
   double norm_sq() const {
     std::vector<double> partial(static_cast<size_t>(a_.rows), 0.0);
     at::parallel_for(0, a_.rows, grain(), [&](int64_t r0, int64_t r1) {
-      std::vector<Acc> x(scratch_len_), y(scratch_len_), w(static_cast<size_t>(a_.coeff_len));
-      for (int64_t r = r0; r < r1; ++r) partial[r] = row_norm_sq(r, x.data(), y.data(), w.data());
+      std::vector<Acc> x(scratch_len_), y(scratch_len_), a(static_cast<size_t>(a_.approx_len));
+      for (int64_t r = r0; r < r1; ++r) partial[r] = row_norm_sq(r, x.data(), y.data(), a.data());
     });
     double sum = 0;
     for (double p : partial) sum += p;
@@ -70,11 +70,11 @@ class GeneralAdam {
 
   void update(Acc lim) const {
     at::parallel_for(0, a_.rows, grain(), [&](int64_t r0, int64_t r1) {
-      std::vector<Acc> x(scratch_len_), y(scratch_len_), den(static_cast<size_t>(a_.approx_len));
+      std::vector<Acc> x(scratch_len_), y(scratch_len_), inv(static_cast<size_t>(a_.approx_len));
       std::vector<Acc> even(scratch_len_), odd(scratch_len_), w(static_cast<size_t>(a_.coeff_len));
       for (int64_t r = r0; r < r1; ++r) {
         row_dwt(r, x.data(), y.data(), w.data());  // computed again: see kernels.h
-        row_update(r, lim, x.data(), y.data(), den.data(), even.data(), odd.data(), w.data());
+        row_update(r, lim, x.data(), y.data(), inv.data(), even.data(), odd.data(), w.data());
       }
     });
   }
@@ -82,17 +82,22 @@ class GeneralAdam {
  private:
   // One analysis level: coeff[o] = sum_k ext[2o + k + offset] * rec[k]. The interior, where no
   // tap leaves the row, runs tap by tap over all outputs (vectorisable); the edges use the mode.
-  void dwt_level(const Acc* x, int64_t n, Acc* approx, Acc* detail) const {
+  // Details = false: the approximations only (detail is not written; the norm pass needs none).
+  template <bool Details = true, typename T>
+  void dwt_level(const T* x, int64_t n, Acc* approx, Acc* detail) const {
     const int64_t len = dwt_coeff_len(n, taps_, a_.boundary);
     const int64_t offset = a_.boundary == BoundaryMode::periodization ? 1 - taps_ / 2 : 2 - taps_;
     // Interior outputs: 0 <= 2o + offset and 2o + offset + taps <= n.
     const int64_t first = std::min(len, std::max<int64_t>(0, (1 - offset) / 2));
     const int64_t span = n - taps_ - offset;  // < 0: no output has all its taps inside
     const int64_t last = span < 0 ? first : std::max(first, std::min(len, span / 2 + 1));
-    auto edge = [&](int64_t o) { row::analyze(x, n, o, plan_, approx[o], detail[o]); };
+    auto edge = [&](int64_t o) {
+      Acc unused;
+      row::analyze(x, n, o, plan_, approx[o], Details ? detail[o] : unused);
+    };
     for (int64_t o = 0; o < first; ++o) edge(o);
     with_taps([&](auto taps) {
-      dwt_interior<decltype(taps)::value>(x, offset, first, last, approx, detail);
+      dwt_interior<decltype(taps)::value, Details>(x, offset, first, last, approx, detail);
     });
     for (int64_t o = last; o < len; ++o) edge(o);
   }
@@ -127,70 +132,77 @@ class GeneralAdam {
 
   // Interior analysis outputs [first, last): each output's taps summed in registers (F > 0: the
   // tap loop unrolls and the compiler vectorises over outputs), tap order as in row::analyze.
-  template <int F>
-  // x[2o + offset + k] for o >= first is never before x[0].
-  void dwt_interior(const Acc* x, int64_t offset, int64_t first, int64_t last, Acc* approx,
+  // x[2o + offset + k] for o >= first is never before x[0]. T: Acc, or the gradient's type at
+  // level 1 when that is Acc's (read in place, no copy).
+  template <int F, bool Details, typename T>
+  void dwt_interior(const T* x, int64_t offset, int64_t first, int64_t last, Acc* approx,
                     Acc* detail) const {
     if constexpr (F > 0) {
       Acc lo_taps[F], hi_taps[F];
       for (int k = 0; k < F; ++k) lo_taps[k] = rec_lo_[k], hi_taps[k] = rec_hi_[k];
       for (int64_t o = first; o < last; ++o) {
-        const Acc* window = x + (2 * o + offset);
+        const T* window = x + (2 * o + offset);
         Acc lo = 0, hi = 0;
         for (int k = 0; k < F; ++k) {
-          lo += lo_taps[k] * window[k];
-          hi += hi_taps[k] * window[k];
+          lo += lo_taps[k] * static_cast<Acc>(window[k]);
+          if constexpr (Details) hi += hi_taps[k] * static_cast<Acc>(window[k]);
         }
         approx[o] = lo;
-        detail[o] = hi;
+        if constexpr (Details) detail[o] = hi;
       }
     } else {
-      for (int64_t o = first; o < last; ++o) approx[o] = detail[o] = 0;
+      for (int64_t o = first; o < last; ++o) {
+        approx[o] = 0;
+        if constexpr (Details) detail[o] = 0;
+      }
       for (int64_t k = 0; k < taps_; ++k) {
         const Acc lo = rec_lo_[k], hi = rec_hi_[k];
         for (int64_t o = first; o < last; ++o) {
-          approx[o] += lo * x[2 * o + offset + k];
-          detail[o] += hi * x[2 * o + offset + k];
+          approx[o] += lo * static_cast<Acc>(x[2 * o + offset + k]);
+          if constexpr (Details) detail[o] += hi * static_cast<Acc>(x[2 * o + offset + k]);
         }
       }
     }
   }
 
-  // One synthesis level from len coefficients each; returns the output length.
+  // One synthesis level from len coefficients each: output pairs m in [0, count) (count <=
+  // row::synthesis_pairs) go to sink(m, out[2m], out[2m + 1]).
   // out[2m + e] = sum_q dec_lo[j] a[m + q] + dec_hi[j] d[m + q],  j = phase + 2q - e in [0, F);
   // zero/symmetric: q in [0, F/2), m in [0, len - F/2]; periodization: indices mod len.
-  int64_t idwt_level(const Acc* approx, const Acc* detail, int64_t len, Acc* out) const {
+  template <typename Sink>
+  void idwt_level(const Acc* approx, const Acc* detail, int64_t len, int64_t count,
+                  Sink&& sink) const {
     const bool periodic = a_.boundary == BoundaryMode::periodization;
     const int64_t q_lo = periodic ? -((taps_ / 2 + 1) / 2) : 0;
     const int64_t q_hi = periodic ? (taps_ / 2 + 1) / 2 : taps_ / 2 - 1;
-    const int64_t outputs = row::synthesis_pairs(len, static_cast<int>(taps_), a_.boundary);
     // Interior m: every index m + q inside [0, len) (always, outside periodization).
-    const int64_t first = periodic ? std::min(outputs, std::max<int64_t>(0, -q_lo)) : 0;
-    const int64_t last = periodic ? std::max(first, std::min(outputs, len - q_hi)) : outputs;
+    const int64_t first = periodic ? std::min(count, std::max<int64_t>(0, -q_lo)) : 0;
+    const int64_t last = periodic ? std::max(first, std::min(count, len - q_hi)) : count;
     auto edge = [&](int64_t m) {
-      row::synthesize(approx, detail, len, m, plan_, out[2 * m], out[2 * m + 1]);
+      Acc even, odd;
+      row::synthesize(approx, detail, len, m, plan_, even, odd);
+      sink(m, even, odd);
     };
     for (int64_t m = 0; m < first; ++m) edge(m);
     with_taps([&](auto taps) {
       constexpr int F = decltype(taps)::value;
       if constexpr (F > 0) {
         if (periodic)
-          idwt_interior<F, true>(approx, detail, first, last, out);
+          idwt_interior<F, true>(approx, detail, first, last, sink);
         else
-          idwt_interior<F, false>(approx, detail, first, last, out);
+          idwt_interior<F, false>(approx, detail, first, last, sink);
       } else {
         for (int64_t m = first; m < last; ++m) edge(m);
       }
     });
-    for (int64_t m = last; m < outputs; ++m) edge(m);
-    return 2 * outputs;
+    for (int64_t m = last; m < count; ++m) edge(m);
   }
 
   // Interior synthesis pairs [first, last) for a filter of F taps: both outputs of a pair summed
   // in registers over q in ascending order, as row::synthesize does.
-  template <int F, bool Periodic>
+  template <int F, bool Periodic, typename Sink>
   void idwt_interior(const Acc* approx, const Acc* detail, int64_t first, int64_t last,
-                     Acc* out) const {
+                     Sink& sink) const {
     constexpr int phase = Periodic ? F / 2 : 1;
     constexpr int q_lo = Periodic ? -((F / 2 + 1) / 2) : 0;
     constexpr int q_hi = Periodic ? (F / 2 + 1) / 2 : F / 2 - 1;
@@ -204,25 +216,37 @@ class GeneralAdam {
         if (je >= 0 && je < F) even += lo[je] * a + hi[je] * d;
         if (jo >= 0 && jo < F) odd += lo[jo] * a + hi[jo] * d;
       }
-      out[2 * m] = even;
-      out[2 * m + 1] = odd;
+      sink(m, even, odd);
     }
   }
 
-  // The DWT cascade of row r's gradient into w ([A_L | D_L | ... | D_1]).
+  // The DWT cascade of row r's gradient into w ([A_L | D_L | ... | D_1]); Details = false: only
+  // the approximations, A_L into w[0, approx_len) (the norm pass). Scratch rows x, y. A float
+  // gradient of a float kernel is read in place at level 1; other types are converted into x first.
+  template <bool Details = true>
   void row_dwt(int64_t r, Acc* x, Acc* y, Acc* w) const {
     const G* g = static_cast<const G*>(a_.grad) + r * a_.n;
-    for (int64_t i = 0; i < a_.n; ++i) x[i] = static_cast<Acc>(g[i]);
-    for (int64_t l = 1; l <= a_.level; ++l) {
-      Acc* approx = l == a_.level ? w : y;
-      dwt_level(x, lengths_[l - 1], approx, w + detail_offset_[l]);
-      std::swap(x, y);  // this level's approximation is the next one's input
+    Acc* first_approx = a_.level == 1 ? w : y;
+    if constexpr (std::is_same_v<G, Acc>) {
+      dwt_level<Details>(g, a_.n, first_approx, w + detail_offset_[1]);
+    } else {
+      for (int64_t i = 0; i < a_.n; ++i) x[i] = static_cast<Acc>(g[i]);
+      dwt_level<Details>(x, a_.n, first_approx, w + detail_offset_[1]);
+    }
+    Acc* in = y;
+    Acc* out = x;
+    for (int64_t l = 2; l <= a_.level; ++l) {
+      Acc* approx = l == a_.level ? w : out;
+      dwt_level<Details>(in, lengths_[l - 1], approx, w + detail_offset_[l]);
+      std::swap(in, out);  // this level's approximation is the next one's input
     }
   }
 
-  // Norm pass of a row: the DWT cascade into w, then sum (m' / (sqrt(v') + eps))^2.
-  double row_norm_sq(int64_t r, Acc* x, Acc* y, Acc* w) const {
-    row_dwt(r, x, y, w);
+  // Norm pass of a row: the approximations of the DWT cascade (a: approx_len values), then sum
+  // (m' / (sqrt(v') + eps))^2.
+  double row_norm_sq(int64_t r, Acc* x, Acc* y, Acc* a) const {
+    row_dwt<false>(r, x, y, a);
+    const Acc* w = a;
     const S* m = static_cast<const S*>(a_.exp_avg) + r * a_.approx_len;
     const S* v = static_cast<const S*>(a_.exp_avg_sq) + r * a_.approx_len;
     const Acc eps = static_cast<Acc>(a_.eps);
@@ -237,7 +261,8 @@ class GeneralAdam {
   }
 
   // Update pass of a row: moments stored, coefficients normalised in place, IDWT, p updated.
-  void row_update(int64_t r, Acc lim, Acc* x, Acc* y, Acc* den, Acc* even, Acc* odd, Acc* w) const {
+  // inv, even, odd: scratch (approx_len and scratch_len_ values).
+  void row_update(int64_t r, Acc lim, Acc* x, Acc* y, Acc* inv, Acc* even, Acc* odd, Acc* w) const {
     S* m = static_cast<S*>(a_.exp_avg) + r * a_.approx_len;
     S* v = static_cast<S*>(a_.exp_avg_sq) + r * a_.approx_len;
     const Acc eps = static_cast<Acc>(a_.eps);
@@ -245,17 +270,20 @@ class GeneralAdam {
       const NewMoments<S, Acc> mv(a_, m[j], v[j], w[j]);
       m[j] = static_cast<S>(mv.m);
       v[j] = static_cast<S>(mv.v);
-      den[j] = (std::sqrt(mv.v) + eps) * lim;
-      w[j] = mv.m / den[j];
+      const Acc den = (std::sqrt(mv.v) + eps) * lim;
+      w[j] = mv.m / den;
+      inv[j] = Acc(1) / den;
     }
     // Details thresholded first when asked (PyWavelets' rules: soft x * max(1 - t / |x|, 0) with
-    // 0 kept 0, hard 0 where |x| < t), then divided: detail i at level l shares the denominator of
-    // coefficient i >> (L - l). The denominators are spread level by level (each covers 2 finer
-    // details, as repeat_interleave in the reference) into the even/odd scratch rows, so that
-    // every division loop runs over contiguous arrays.
+    // 0 kept 0, hard 0 where |x| < t), then normalised: detail i at level l shares the denominator
+    // of coefficient i >> (L - l), and is multiplied by its reciprocal (one division per
+    // approximation coefficient instead of one per coefficient; within an ulp of the reference's
+    // quotient). The reciprocals are spread level by level (each covers 2 finer details, as
+    // repeat_interleave in the reference) into the even/odd scratch rows, so that every loop runs
+    // over contiguous arrays.
     const Acc t = static_cast<Acc>(a_.threshold);
     int64_t kept = 0;
-    const Acc* level_den = den;
+    const Acc* level_inv = inv;
     for (int64_t l = a_.level; l >= 1; --l) {
       Acc* d = w + detail_offset_[l];
       const int64_t len = lengths_[l];
@@ -265,34 +293,52 @@ class GeneralAdam {
           kept += d[i] != 0;
         }
       }
-      for (int64_t i = 0; i < len; ++i) d[i] /= level_den[i];
+      for (int64_t i = 0; i < len; ++i) d[i] *= level_inv[i];
       if (l > 1) {  // lengths_[l - 1] <= 2 * len
-        Acc* finer = level_den == even ? odd : even;
-        for (int64_t i = 0; i < len; ++i) finer[2 * i] = finer[2 * i + 1] = level_den[i];
-        level_den = finer;
+        Acc* finer = level_inv == even ? odd : even;
+        for (int64_t i = 0; i < len; ++i) finer[2 * i] = finer[2 * i + 1] = level_inv[i];
+        level_inv = finer;
       }
     }
     if (a_.kept_per_row != nullptr) a_.kept_per_row[r] = kept;
     // IDWT cascade, coarsest first, dropping a trailing sample when one longer than the detail;
-    // each level writes into the scratch row the previous one did not.
+    // each level writes into the scratch row the previous one did not. The last level's samples
+    // update p as they come: p <- x + keep x with x = p - step_size * sample.
     const Acc* approx = w;
     int64_t len = a_.approx_len;
-    for (int64_t l = a_.level; l >= 1; --l) {
+    for (int64_t l = a_.level; l >= 2; --l) {
       const int64_t detail_len = lengths_[l];
       if (len == detail_len + 1) len = detail_len;
       TORCH_INTERNAL_ASSERT(len == detail_len);
-      len = idwt_level(approx, w + detail_offset_[l], len, x);
+      const int64_t pairs = row::synthesis_pairs(len, static_cast<int>(taps_), a_.boundary);
+      Acc* out = x;
+      idwt_level(approx, w + detail_offset_[l], len, pairs, [out](int64_t i, Acc e, Acc o) {
+        out[2 * i] = e;
+        out[2 * i + 1] = o;
+      });
+      len = 2 * pairs;
       approx = x;
       std::swap(x, y);
     }
-    TORCH_INTERNAL_ASSERT(len >= a_.n);
-    x = y;  // the last level's output
+    if (len == lengths_[1] + 1) len = lengths_[1];
+    TORCH_INTERNAL_ASSERT(len == lengths_[1]);
+    TORCH_INTERNAL_ASSERT(2 * row::synthesis_pairs(len, static_cast<int>(taps_), a_.boundary) >=
+                          a_.n);
     P* p = static_cast<P*>(a_.param) + r * a_.n;
     const Acc step = static_cast<Acc>(a_.step_size), keep = static_cast<Acc>(-a_.decay);
-    for (int64_t i = 0; i < a_.n; ++i) {
-      Acc value = static_cast<Acc>(p[i]) - step * x[i];
-      value = value + keep * value;
-      p[i] = static_cast<P>(value);
+    auto updated = [step, keep](P old, Acc sample) {
+      Acc value = static_cast<Acc>(old) - step * sample;
+      return static_cast<P>(value + keep * value);
+    };
+    const Acc* detail = w + detail_offset_[1];
+    idwt_level(approx, detail, len, a_.n / 2, [p, &updated](int64_t i, Acc e, Acc o) {
+      p[2 * i] = updated(p[2 * i], e);
+      p[2 * i + 1] = updated(p[2 * i + 1], o);
+    });
+    if (a_.n % 2 == 1) {  // the last pair's even sample is p's last value
+      Acc e, o;
+      row::synthesize(approx, detail, len, a_.n / 2, plan_, e, o);
+      p[a_.n - 1] = updated(p[a_.n - 1], e);
     }
   }
 
