@@ -24,10 +24,12 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "../tests/float_bound.h"
 #include "gwt/gwt.h"
 #include "gwt/kernels.h"
 #include "workloads.h"
@@ -66,37 +68,44 @@ bool check_case(const std::string& wavelet, at::ScalarType dtype, int64_t level,
   const bool fused = dev_opt.is_fused_param(dev);
   bool ok = fused;
   double worst = 0;
-  for (int t = 0; t < 4; ++t) {
-    at::Tensor g = (at::randn(shape, at::kDouble) * (1 + 2 * t)).to(dtype);
+  // float64: exact on stress data (random signs, blocks that nearly cancel). Reduced precision:
+  // the rule of tests/test_fused.cpp, which holds on every machine by construction: the device's
+  // run and the CPU reference each lie within a rounding bound of the float64 run derived from
+  // the data (tests/float_bound.h), on well-conditioned gradients (one sign per row, or per
+  // matrix in 2-D), and the bound is checked to be small. Comparing the two float32 errors with
+  // each other, as this check did before, was a coin toss on ill-conditioned data: it failed on
+  // an Intel Xeon (haar2d level 3) and passed on AMD.
+  const bool reduced = dtype != at::kDouble;
+  std::vector<at::Tensor> grads;
+  if (reduced) {
+    grads = gwt_test::well_conditioned_gradients(shape, 4, 11, dtype, two_d);
+  } else {
+    for (int t = 0; t < 4; ++t) grads.push_back(at::randn(shape, at::kDouble) * (1 + 2 * t));
+  }
+  std::optional<gwt_test::RoundingBound> bound;
+  if (reduced) bound.emplace(at::IntArrayRef(shape), options, dtype, at::kFloat);
+  // The bound must be a small fraction of |p| to mean anything (as in tests/test_fused.cpp: one
+  // update is ~1e-2 of |p|); bfloat16 parameters are rounded to 2^-8 at every store.
+  const double max_relative = dtype == at::kFloat ? 1e-3 : 0.05;
+  for (const at::Tensor& g64 : grads) {
+    const at::Tensor g = g64.to(dtype);
     at::Tensor g_dev = transpose_grad ? g.t().contiguous().to(g_device).t() : g.to(g_device);
     dev.mutable_grad() = g_dev;
     ref.mutable_grad() = g.clone();
-    exact.mutable_grad() = g.to(at::kDouble);
+    exact.mutable_grad() = g64;
     dev_opt.step(), ref_opt.step(), exact_opt.step();
     const at::Tensor d = dev.detach().cpu().to(at::kDouble), r = ref.detach().to(at::kDouble);
     const at::Tensor e = exact.detach();
-    if (dtype == at::kDouble) {  // float64 math on the device too
-      const double diff = (d - r).abs().max().item<double>();
-      worst = std::max(worst, diff);
-      ok = ok && diff <= 1e-10 * r.abs().max().item<double>();
-    } else if (dtype == at::kFloat) {
-      // The rule of tests/test_fused.cpp: 1e-5 relative of the reference element by element, or,
-      // where float rounding of a cancelling block shows, at most twice the reference's error.
-      const bool elementwise =
-          ((d - r).abs() <= 1e-5 * (r.abs() + r.abs().mean())).all().item<bool>();
-      const double err = (d - e).abs().max().item<double>(),
-                   ref_err = (r - e).abs().max().item<double>();
-      worst = std::max(worst, (d - r).abs().max().item<double>());
-      ok = ok && (elementwise || err <= 2 * ref_err + 1e-5 * r.abs().max().item<double>());
-    } else {
-      // One unit in the last place of the largest value now (values can grow far from init).
-      const double ulp = std::ldexp(
-          1.0, std::ilogb(e.abs().max().item<double>()) - (dtype == at::kBFloat16 ? 7 : 10));
-      const double err = (d - e).abs().max().item<double>(),
-                   ref_err = (r - e).abs().max().item<double>();
-      worst = std::max(worst, err);
-      ok = ok && err <= 2 * ref_err + ulp;
+    worst = std::max(worst, (d - r).abs().max().item<double>());
+    if (!reduced) {  // float64 math on the device too
+      ok = ok && (d - r).abs().max().item<double>() <= 1e-10 * r.abs().max().item<double>();
+      continue;
     }
+    bound->step(g64, e);
+    const at::Tensor& b = bound->bound();
+    ok = ok && ((d - e).abs() <= b).all().item<bool>() && ((r - e).abs() <= b).all().item<bool>();
+    if (bound->kappa() <= 10)
+      ok = ok && b.max().item<double>() <= max_relative * e.abs().max().item<double>();
   }
   std::printf("%s check %-6s %-9s level %lld shape %-12s %s: max |device - reference| %.3g%s\n",
               ok ? "PASS" : "FAIL", wavelet.c_str(), c10::toString(dtype),

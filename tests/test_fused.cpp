@@ -13,9 +13,9 @@
 
 #include "../src/kernels/haar_block.h"
 #include "../src/kernels/wavelet_row.h"
+#include "float_bound.h"
 #include "gwt/gwt.h"
 #include "gwt/kernels.h"
-#include "float_bound.h"
 #include "test_util.h"
 
 namespace {
@@ -196,6 +196,37 @@ TEST(Fused, GeneralWaveletsMatchReferenceForEveryModeAndLevel) {
       }
 }
 
+// The AVX2 build steps float32 rows in groups of eight, one row per lane (wavelet_rows8_avx2.h),
+// and the rows past the last full group one at a time: shapes with full groups only, groups and
+// leftover rows, rows shorter and longer than the filter, odd lengths and lengths that are not a
+// multiple of 8 (the transposes' tails), every filter length gwt has (2 to 18 taps: each has its
+// own unrolled loops), every mode and levels 1 to 3. Each run within the rounding bound of the
+// float64 run (tests/float_bound.h); elsewhere (baseline build, GWT_NO_ROWS8=1) the same shapes
+// test the one-row body.
+TEST(Fused, GeneralKernelRowGroupsMatchTheReferenceInFloat32) {
+  const std::vector<std::vector<int64_t>> shapes = {
+      {8, 37}, {17, 64}, {2, 8, 9}, {9, 130}, {24, 7}};
+  for (const std::string wavelet :
+       {"db2", "db3", "sym4", "db5", "coif2", "db7", "sym8", "coif3", "haar"})
+    for (const std::string boundary : {"zero", "periodization", "symmetric"})
+      for (int64_t level : {1, 2, 3})
+        for (const auto& shape : shapes) {
+          if (shape.back() < (int64_t{1} << level)) continue;  // dense: not this kernel's case
+          // Haar takes the Haar kernel wherever it is block-local; symmetric mode on a length that
+          // is not a multiple of the block is the general kernel's.
+          if (wavelet == "haar" && boundary != "symmetric") continue;
+          const std::string what = wavelet + " " + boundary + " level " + std::to_string(level) +
+                                   " shape " + c10::str(at::IntArrayRef(shape));
+          const auto o = base_options().wavelet(wavelet).boundary(boundary).level(level);
+          BoundedRuns runs(at::randn(shape, at::kDouble), at::kFloat, o);
+          ASSERT_TRUE(runs.fused.opt->is_fused_param(runs.fused.param)) << what;
+          // 1e-3 of |p|, as GeneralWaveletsMatchReferenceForEveryModeAndLevel: an error of one
+          // update's size is ~1e-2 of |p| here, so a wrong lane or tap fails it.
+          for (const auto& g : gwt_test::well_conditioned_gradients(shape, 3, 31, at::kFloat))
+            runs.step_and_check(g, 1e-3, what);
+        }
+}
+
 TEST(Fused, ThresholdedDetailsMatchTheReference) {
   for (const std::string wavelet : {"haar", "db2"})
     for (const std::string mode : {"soft", "hard"}) {
@@ -251,7 +282,9 @@ void check_low_precision(at::ScalarType dtype, const std::string& state_dtype) {
   BoundedRuns runs(init, dtype, o, state_dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
   ASSERT_TRUE(runs.fused.opt->is_fused_param(runs.fused.param));
   // bf16 moments: 2^-8 per stored moment and step, through the denominators and the limiter.
-  const double max_relative = state_dtype == "bfloat16" ? 0.1 : dtype == at::kBFloat16 ? 0.05 : 0.01;
+  const double max_relative = state_dtype == "bfloat16" ? 0.1
+                              : dtype == at::kBFloat16  ? 0.05
+                                                        : 0.01;
   for (const auto& g : gwt_test::well_conditioned_gradients(shape, 5, 23, dtype))
     runs.step_and_check(g, max_relative, c10::str(dtype, " state ", state_dtype));
   EXPECT_EQ(runs.fused.opt->state_bytes(runs.fused.param),
@@ -463,8 +496,8 @@ TEST(KernelRows, CudaHaarBlockBodiesMatchTheReferenceOnTheHost) {
         gwt_test::RoundingBound bound(shape, o, at::kFloat, at::kFloat);
         EmulatedKernel emulated, emulated32;
         int64_t t = 0;
-        for (const auto& g : gwt_test::well_conditioned_gradients(shape, 5, 36, at::kFloat,
-                                                                  transform == "2d")) {
+        for (const auto& g :
+             gwt_test::well_conditioned_gradients(shape, 5, 36, at::kFloat, transform == "2d")) {
           const at::Tensor g32 = g.to(at::kFloat);
           step(reference, g);
           bound.step(g, reference.param.detach());
@@ -554,7 +587,8 @@ TEST(FusedCuda, MatchesTheCpuReference) {
           WaveletAdam gpu_opt({gpu}, o);
           ASSERT_TRUE(gpu_opt.is_fused_param(gpu));
           OptRun exact = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
-          gwt_test::RoundingBound bound(shape, o, dtype, dtype == at::kDouble ? at::kDouble : at::kFloat);
+          gwt_test::RoundingBound bound(shape, o, dtype,
+                                        dtype == at::kDouble ? at::kDouble : at::kFloat);
           const double max_relative = dtype == at::kDouble  ? 1
                                       : dtype == at::kFloat ? 1e-4
                                       : dtype == at::kHalf  ? 0.01

@@ -19,7 +19,14 @@
 
 #include "dispatch.h"
 #include "gwt/kernels.h"
+#include "taps.h"
 #include "wavelet_row.h"
+
+// The AVX2 build steps float32 rows eight at a time, one per lane (wavelet_rows8_avx2.h).
+#if defined(__AVX2__) && defined(__FMA__)
+#define GWT_WAVELET_ROWS8 1
+#include "wavelet_rows8_avx2.h"
+#endif
 
 #ifndef GWT_KERNEL_NS
 #error "define GWT_KERNEL_NS before including wavelet_adam_cpu_impl.h"
@@ -57,11 +64,38 @@ class GeneralAdam {
   // depend on it: each row is summed on its own, the rows in order.
   int64_t grain() const { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, a_.n)); }
 
+  // Work items: groups of eight rows for the eight-lane body (the first groups() * 8 rows), then
+  // single rows. Which rows go in groups depends only on the shape, never on the thread count.
+  int64_t groups() const {
+#ifdef GWT_WAVELET_ROWS8
+    if constexpr (k_rows8) {
+      if (a_.threshold <= 0 && rows8::enabled()) return a_.rows / rows8::k_lanes;
+    }
+#endif
+    return 0;
+  }
+  int64_t items() const {
+    return groups() + (a_.rows - groups() * 8);
+  }
+  int64_t item_grain() const {
+    return groups() > 0 ? std::max<int64_t>(1, grain() / 8) : grain();
+  }
+
   double norm_sq() const {
     std::vector<double> partial(static_cast<size_t>(a_.rows), 0.0);
-    at::parallel_for(0, a_.rows, grain(), [&](int64_t r0, int64_t r1) {
-      std::vector<Acc> x(scratch_len_), y(scratch_len_), a(static_cast<size_t>(a_.approx_len));
-      for (int64_t r = r0; r < r1; ++r) partial[r] = row_norm_sq(r, x.data(), y.data(), a.data());
+    const int64_t groups = this->groups();
+    at::parallel_for(0, items(), item_grain(), [&](int64_t i0, int64_t i1) {
+      std::vector<Acc> x, y, a;
+      for (int64_t i = i0; i < i1; ++i) {
+        if (i < groups) {
+          norm_sq_group(i * 8, i + 1 < std::min(i1, groups) ? (i + 1) * 8 : -1,
+                        partial.data() + i * 8);
+          continue;
+        }
+        if (x.empty()) x.resize(scratch_len_), y.resize(scratch_len_), a.resize(a_.approx_len);
+        const int64_t r = groups * 8 + (i - groups);
+        partial[r] = row_norm_sq(r, x.data(), y.data(), a.data());
+      }
     });
     double sum = 0;
     for (double p : partial) sum += p;
@@ -69,10 +103,19 @@ class GeneralAdam {
   }
 
   void update(Acc lim) const {
-    at::parallel_for(0, a_.rows, grain(), [&](int64_t r0, int64_t r1) {
-      std::vector<Acc> x(scratch_len_), y(scratch_len_), inv(static_cast<size_t>(a_.approx_len));
-      std::vector<Acc> even(scratch_len_), odd(scratch_len_), w(static_cast<size_t>(a_.coeff_len));
-      for (int64_t r = r0; r < r1; ++r) {
+    const int64_t groups = this->groups();
+    at::parallel_for(0, items(), item_grain(), [&](int64_t i0, int64_t i1) {
+      std::vector<Acc> x, y, inv, even, odd, w;
+      for (int64_t i = i0; i < i1; ++i) {
+        if (i < groups) {
+          update_group(i * 8, i + 1 < std::min(i1, groups) ? (i + 1) * 8 : -1, lim);
+          continue;
+        }
+        if (x.empty()) {
+          x.resize(scratch_len_), y.resize(scratch_len_), inv.resize(a_.approx_len);
+          even.resize(scratch_len_), odd.resize(scratch_len_), w.resize(a_.coeff_len);
+        }
+        const int64_t r = groups * 8 + (i - groups);
         row_dwt(r, x.data(), y.data(), w.data());  // computed again: see kernels.h
         row_update(r, lim, x.data(), y.data(), inv.data(), even.data(), odd.data(), w.data());
       }
@@ -80,6 +123,31 @@ class GeneralAdam {
   }
 
  private:
+#ifdef GWT_WAVELET_ROWS8
+  static constexpr bool k_rows8 = std::is_same_v<P, float> && std::is_same_v<G, float> &&
+                                  std::is_same_v<S, float> && std::is_same_v<Acc, float>;
+  // Scratch of the eight-lane body, one per thread, reused across steps and tensors.
+  rows8::Scratch& group_scratch() const {
+    thread_local rows8::Scratch scratch;
+    scratch.reserve(plan_, static_cast<int64_t>(scratch_len_));
+    return scratch;
+  }
+#endif
+  // Rows [r0, r0 + 8) through the eight-lane body; next: the first row of the group this thread
+  // takes next (-1: none), whose rows the body prefetches while it computes.
+  void norm_sq_group([[maybe_unused]] int64_t r0, [[maybe_unused]] int64_t next,
+                     [[maybe_unused]] double* sums) const {
+#ifdef GWT_WAVELET_ROWS8
+    if constexpr (k_rows8) rows8::Rows8(a_, plan_).norm_sq(r0, next, group_scratch(), sums);
+#endif
+  }
+  void update_group([[maybe_unused]] int64_t r0, [[maybe_unused]] int64_t next,
+                    [[maybe_unused]] Acc lim) const {
+#ifdef GWT_WAVELET_ROWS8
+    if constexpr (k_rows8) rows8::Rows8(a_, plan_).update(r0, next, lim, group_scratch());
+#endif
+  }
+
   // One analysis level: coeff[o] = sum_k ext[2o + k + offset] * rec[k]. The interior, where no
   // tap leaves the row, runs tap by tap over all outputs (vectorisable); the edges use the mode.
   // Details = false: the approximations only (detail is not written; the norm pass needs none).
@@ -96,38 +164,10 @@ class GeneralAdam {
       row::analyze(x, n, o, plan_, approx[o], Details ? detail[o] : unused);
     };
     for (int64_t o = 0; o < first; ++o) edge(o);
-    with_taps([&](auto taps) {
+    with_taps(taps_, [&](auto taps) {
       dwt_interior<decltype(taps)::value, Details>(x, offset, first, last, approx, detail);
     });
     for (int64_t o = last; o < len; ++o) edge(o);
-  }
-
-  // Calls fn(std::integral_constant<int, F>) for the filter lengths gwt has (2 to 18; 0: any
-  // other).
-  template <typename Fn>
-  void with_taps(Fn&& fn) const {
-    switch (taps_) {
-      case 2:
-        return fn(std::integral_constant<int, 2>{});
-      case 4:
-        return fn(std::integral_constant<int, 4>{});
-      case 6:
-        return fn(std::integral_constant<int, 6>{});
-      case 8:
-        return fn(std::integral_constant<int, 8>{});
-      case 10:
-        return fn(std::integral_constant<int, 10>{});
-      case 12:
-        return fn(std::integral_constant<int, 12>{});
-      case 14:
-        return fn(std::integral_constant<int, 14>{});
-      case 16:
-        return fn(std::integral_constant<int, 16>{});
-      case 18:
-        return fn(std::integral_constant<int, 18>{});
-      default:
-        return fn(std::integral_constant<int, 0>{});
-    }
   }
 
   // Interior analysis outputs [first, last): each output's taps summed in registers (F > 0: the
@@ -184,7 +224,7 @@ class GeneralAdam {
       sink(m, even, odd);
     };
     for (int64_t m = 0; m < first; ++m) edge(m);
-    with_taps([&](auto taps) {
+    with_taps(taps_, [&](auto taps) {
       constexpr int F = decltype(taps)::value;
       if constexpr (F > 0) {
         if (periodic)
