@@ -90,6 +90,18 @@ gwt_install_plot_python() {
   GWT_PYTHON="$venv/bin/python"
 }
 
+# What the Python package (python/) needs to build and test in the environment that has torch:
+# scikit-build-core builds it; pytest and PyWavelets (a test-only reference) test it. Returns 1
+# (installing nothing) when that environment has no torch (LibTorch named by Torch_DIR, LIBTORCH or
+# CMAKE_PREFIX_PATH).
+gwt_install_python_test_deps() {
+  if [[ -z "${GWT_PYTHON:-}" ]] || ! "$GWT_PYTHON" -c "import torch" 2>/dev/null; then return 1; fi
+  if ! "$GWT_PYTHON" -c "import pytest, pywt, scikit_build_core" 2>/dev/null; then
+    gwt_log "installing pytest, PyWavelets and scikit-build-core into $(dirname "$(dirname "$GWT_PYTHON")")"
+    "$GWT_PYTHON" -m pip install --quiet --no-cache-dir pytest PyWavelets "scikit-build-core>=0.10"
+  fi
+}
+
 gwt_setup() {
   gwt_install_debian_packages "$@"
   GWT_PYTHON="${GWT_PYTHON:-}"

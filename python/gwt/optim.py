@@ -1,0 +1,327 @@
+"""gwt's optimizers as ``torch.optim.Optimizer`` subclasses.
+
+The state lives where torch keeps it (``optimizer.state[param]``: a dict of tensors and ints;
+``optimizer.param_groups``: the options), so ``state_dict()``, ``torch.save`` and
+``torch.optim.lr_scheduler`` work as with any torch optimizer. ``step()`` hands the groups and the
+state to the C++ library, whose ``gwt::WaveletAdam::step`` (``gwt::GaLoreAdam::step``) updates the
+parameters and the moments in place with its kernels (CPU and CUDA), on the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+from torch.optim import Optimizer
+
+from . import _C
+
+__all__ = ["WaveletAdam", "GaLoreAdam"]
+
+
+class _Keep:
+    """Hides a state tensor from torch.optim.Optimizer.load_state_dict, which would cast it to its
+    parameter's dtype (bfloat16 moments, float32 moments of a bfloat16 parameter, the limiter's
+    float32 norm must keep their dtype)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _hide_tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Keep(value)
+    if isinstance(value, dict):
+        return {k: _hide_tensors(v) for k, v in value.items()}
+    return value
+
+
+def _unhide(value: Any) -> Any:
+    if isinstance(value, _Keep):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _unhide(v) for k, v in value.items()}
+    return value
+
+
+class _CppOptimizer(Optimizer):
+    """What WaveletAdam and GaLoreAdam share: the bridge to their C++ optimizer."""
+
+    _prefix = ""  # the _C functions' prefix
+    _counter_names: Tuple[str, ...] = ("skipped_steps",)
+    _state_tensors: Tuple[str, ...] = ()  # the state entries state_bytes() counts
+
+    def __init__(self, params: Iterable, defaults: Dict[str, Any]) -> None:
+        self._counters = {name: 0 for name in self._counter_names}
+        super().__init__(params, defaults)
+
+    # -- groups ------------------------------------------------------------------------------
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Adds a group (its own options, the defaults for the rest) after the C++ optimizer has
+        checked it: options in range, parameters float64/float32/float16/bfloat16 leaf tensors, in
+        no other group. A ValueError (TypeError for an option of the wrong type) leaves the
+        optimizer as it was."""
+        super().add_param_group(param_group)
+        try:
+            getattr(_C, self._prefix + "_check_group")(self.param_groups[-1])
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One step of the C++ optimizer on every parameter that has a gradient. ``closure``
+        (optional) recomputes the loss with autograd on and returns it; step returns it.
+
+        A step whose gradients hold a NaN or an infinity changes nothing and counts in
+        ``skipped_steps()`` (with ``nonfinite="skip_param"``, only that parameter is skipped).
+        Errors (bad options, a gradient of another shape, state that does not fit) raise before
+        any parameter or state changes."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        increments = getattr(_C, self._prefix + "_step")(self.param_groups, self.state)
+        for name, value in increments.items():
+            self._counters[name] += value
+        return loss
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's format (``state``: per parameter index a dict of tensors and ints;
+        ``param_groups``: the options), plus the counters (``skipped_steps``, ...)."""
+        state_dict = super().state_dict()
+        for name, value in self._counters.items():
+            state_dict[name] = value
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads what state_dict() returned (also through torch.save/torch.load). The state keeps its
+        dtypes (torch's own load would cast the moments to the parameters' dtype) and moves to the
+        parameters' devices; the C++ optimizer checks all of it first (shapes for the options,
+        finite moments, second moments >= 0, dtypes), and a checkpoint that does not fit raises
+        with the optimizer unchanged."""
+        counters = {}
+        for name in self._counter_names:
+            value = state_dict.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"gwt: the state_dict's {name} must be an int >= 0, got {value!r}")
+            counters[name] = value
+        hidden = dict(state_dict)
+        hidden["state"] = {k: _hide_tensors(v) for k, v in state_dict["state"].items()}
+        before = (self.state, self.param_groups, dict(self._counters))
+        try:
+            super().load_state_dict(hidden)
+            state = {p: _unhide(s) for p, s in self.state.items()}
+            # Through the C++ optimizer's own checkpoint loader: what it checks and converts, a
+            # Python checkpoint gets too.
+            data = getattr(_C, self._prefix + "_save")(self.param_groups, state, counters)
+            self._adopt(getattr(_C, self._prefix + "_load")(self.param_groups, data))
+            # Entries torch keeps that belong to no parameter.
+            for key, value in state.items():
+                if not isinstance(key, torch.Tensor):
+                    self.state[key] = value
+        except BaseException:
+            self.state, self.param_groups, self._counters = before
+            raise
+
+    def save_archive(self, path: str) -> None:
+        """Writes the C++ optimizer's checkpoint: the file ``torch::save(optimizer, path)`` writes
+        in C++, which ``torch::load`` reads into a ``gwt::WaveletAdam`` (``gwt::GaLoreAdam``) over
+        the same parameters in the same groups."""
+        getattr(_C, self._prefix + "_save")(self.param_groups, self.state, dict(self._counters),
+                                           str(path))
+
+    def load_archive(self, path: str) -> None:
+        """Reads a C++ checkpoint (``torch::save(optimizer, path)`` from C++, or save_archive):
+        options, state and counters, checked by the C++ loader before anything changes."""
+        self._adopt(getattr(_C, self._prefix + "_load")(self.param_groups, str(path)))
+
+    def _adopt(self, loaded) -> None:
+        options, states, counters = loaded
+        for group, group_options in zip(self.param_groups, options):
+            group.update(group_options)
+        params = [p for group in self.param_groups for p in group["params"]]
+        new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        for p, s in zip(params, states):
+            if s is not None:
+                new_state[p] = s
+        self.state = new_state
+        self._counters = {name: int(counters[name]) for name in self._counter_names}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state["_counters"] = dict(self._counters)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_counters", {name: 0 for name in self._counter_names})
+
+    # -- reports -----------------------------------------------------------------------------
+    def state_bytes(self, param: Optional[torch.Tensor] = None) -> int:
+        """Bytes of optimizer state (tensors only) of every parameter, or of one (0 before its first
+        step)."""
+        entries = [self.state.get(param, {})] if param is not None else list(self.state.values())
+        total = 0
+        for entry in entries:
+            if not isinstance(entry, dict):
+                continue
+            for key in self._state_tensors:
+                t = entry.get(key)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
+    def skipped_steps(self) -> int:
+        """Steps skipped because a gradient was not finite."""
+        return self._counters["skipped_steps"]
+
+
+class WaveletAdam(_CppOptimizer):
+    r"""Adam with its moments kept only on the wavelet approximation subband of each eligible
+    gradient (GWT, arXiv 2501.07237): gwt's C++ ``gwt::WaveletAdam``, a drop-in for
+    ``torch.optim.AdamW``.
+
+    A parameter takes the wavelet path when ``level > 0``, it has at least two dimensions and at
+    least ``2**level`` elements along ``dim`` (and, with ``min_size``, both of its last two
+    dimensions are at least that); every other parameter is dense Adam with the same folded bias
+    correction, eps and decoupled weight decay. :func:`gwt.paper_param_groups` builds the paper's
+    groups (linear layers' weights wavelet, everything else dense).
+
+    Args (each also a per-group option, as in torch.optim):
+        params: parameters or parameter groups (dicts).
+        lr: learning rate (finite, >= 0).
+        betas: moment decay rates, each in [0, 1).
+        eps: added to sqrt(v), not bias-corrected (>= the smallest normal float32).
+        weight_decay: decoupled, ``p -= lr * weight_decay * p`` after the update.
+        wavelet: haar, db1-db8, sym2-sym8, coif1-coif3 (PyWavelets' filters).
+        level: decomposition levels; 0 is dense Adam.
+        boundary: "zero", "periodization" or "symmetric".
+        scale: multiplies the reconstructed update (the authors use 0.25).
+        norm_growth_limit: the step's norm may grow by at most this factor per step; 0 disables.
+        correct_bias: folds sqrt(1 - b2^t) / (1 - b1^t) into the step size.
+        dim: the dimension the transform runs along; the others are batch dimensions.
+        fused: use the fused kernels where they apply (False: the readable ATen reference).
+        state_dtype: "auto" (float32, float64 for float64 parameters) or "bfloat16".
+        transform: "1d" or "2d" (over the last two dimensions, moments on LL).
+        threshold, threshold_mode: threshold the details first (PyWavelets' semantics); 0 is off.
+        min_size: parameters with fewer elements than this along either of their last two
+            dimensions stay dense.
+        nonfinite: "skip_step" (a NaN/Inf gradient skips the whole step) or "skip_param" (only
+            that parameter).
+
+    State per parameter (``optimizer.state[p]``): ``step`` (int), ``exp_avg`` and ``exp_avg_sq``
+    (the approximation subband's shape for wavelet parameters), ``norm`` (the limiter's 0-dim
+    norm, after the first wavelet step), ``skipped`` (steps this parameter skipped alone).
+    """
+
+    _prefix = "wavelet_adam"
+    _counter_names = ("skipped_steps",)
+    _state_tensors = ("exp_avg", "exp_avg_sq", "norm")
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        wavelet: str = "haar",
+        level: int = 2,
+        boundary: str = "zero",
+        scale: float = 1.0,
+        norm_growth_limit: float = 1.01,
+        correct_bias: bool = True,
+        dim: int = -1,
+        fused: bool = True,
+        state_dtype: str = "auto",
+        transform: str = "1d",
+        threshold: float = 0.0,
+        threshold_mode: str = "soft",
+        min_size: int = 0,
+        nonfinite: str = "skip_step",
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, wavelet=wavelet, level=level,
+            boundary=boundary, scale=scale, norm_growth_limit=norm_growth_limit,
+            correct_bias=correct_bias, dim=dim, fused=fused, state_dtype=state_dtype,
+            transform=transform, threshold=threshold, threshold_mode=threshold_mode,
+            min_size=min_size, nonfinite=nonfinite)
+        super().__init__(params, defaults)
+
+    def skipped_steps(self, param: Optional[torch.Tensor] = None) -> int:
+        """Steps skipped because a gradient was not finite (with "skip_param" groups: steps in
+        which at least one parameter was skipped); with ``param``, the steps it skipped alone."""
+        if param is None:
+            return self._counters["skipped_steps"]
+        entry = self.state.get(param)
+        return int(entry.get("skipped", 0)) if entry else 0
+
+    def is_wavelet_param(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` takes the wavelet path under its group's options."""
+        return _C.wavelet_adam_param_info(self.param_groups, param)[0]
+
+    def is_fused_param(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s step runs in a fused kernel (else the ATen reference)."""
+        return _C.wavelet_adam_param_info(self.param_groups, param)[1]
+
+    def kept_details(self) -> Tuple[int, int]:
+        """With thresholding: detail coefficients kept and in all at the last step."""
+        kept = total = 0
+        for entry in self.state.values():
+            if isinstance(entry, dict) and "total_details" in entry:
+                kept += entry["kept_details"]
+                total += entry["total_details"]
+        return kept, total
+
+
+class GaLoreAdam(_CppOptimizer):
+    r"""Adam on a low-rank projection of each 2-D gradient (GaLore, arXiv 2403.03507): gwt's C++
+    ``gwt::GaLoreAdam``. A parameter is projected when it is 2-D and ``1 <= rank < min(m, n)``;
+    every other parameter is dense Adam (same folded bias correction, eps, decoupled weight decay).
+
+    Args: ``lr``, ``betas``, ``eps``, ``weight_decay`` as WaveletAdam; ``rank`` (0: dense),
+    ``update_proj_gap`` (steps between SVDs of the gradient), ``scale`` (multiplies the update
+    projected back), ``proj_type`` ("std", "reverse_std", "left", "right"), ``svd`` ("exact" or
+    "randomized", with ``oversample`` and ``power_iters``), ``correct_bias``.
+
+    State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq``, ``projector``, ``right``.
+    """
+
+    _prefix = "galore_adam"
+    _counter_names = ("skipped_steps", "svd_fallbacks")
+    _state_tensors = ("exp_avg", "exp_avg_sq", "projector")
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        rank: int = 128,
+        update_proj_gap: int = 200,
+        scale: float = 0.25,
+        proj_type: str = "std",
+        svd: str = "exact",
+        oversample: int = 8,
+        power_iters: int = 2,
+        correct_bias: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank,
+            update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type, svd=svd,
+            oversample=oversample, power_iters=power_iters, correct_bias=correct_bias)
+        super().__init__(params, defaults)
+
+    def svd_fallbacks(self) -> int:
+        """Projector refreshes whose SVD failed (the previous projector was kept)."""
+        return self._counters["svd_fallbacks"]
+
+    def is_projected_param(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is projected under its group's options."""
+        return _C.galore_adam_param_info(self.param_groups, param)

@@ -1,0 +1,47 @@
+"""python -m gwt.bench: its pure-PyTorch GWT computes the rule gwt.WaveletAdam does (so the
+benchmark compares like with like), and the command prints its table."""
+
+import torch
+
+import gwt
+from gwt import bench
+from gwt_test_util import max_abs_diff
+
+
+def test_pure_torch_haar_transform_is_pywavelets_haar():
+    x = torch.randn(3, 64, dtype=torch.float64)
+    ours = bench.haar_wavedec(x, 3)
+    for a, b in zip(ours, gwt.wavedec(x, "haar", 3)):
+        assert max_abs_diff(a, b) <= 1e-15  # the same two-term sums, one rounding each
+    assert max_abs_diff(bench.haar_waverec(ours), x) <= 1e-14
+
+
+def test_pure_torch_gwt_follows_the_same_rule():
+    # float64, 6 steps with growing gradients (the limiter acts), decay and scale. gwt's fused
+    # Haar kernel computes the same update in another order of operations (its closed form per
+    # block), so the two differ by rounding: a few ulps of the update (<= 1e-2 here) per step,
+    # far below 1e-12; a different rule would differ by 1e-3 or more.
+    shapes = [(8, 64), (16, 32), (4, 3, 16)]
+    params0 = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    a = [p.clone().requires_grad_() for p in params0]
+    b = [p.clone().requires_grad_() for p in params0]
+    options = dict(lr=1e-2, level=2, scale=0.25, weight_decay=0.1)
+    ours = gwt.WaveletAdam(a, wavelet="haar", **options)
+    pure = bench.PureTorchGWT(b, **options)
+    for t in range(6):
+        for p, q, s in zip(a, b, shapes):
+            g = torch.randn(s, dtype=torch.float64) * (1 + 3 * t)
+            p.grad, q.grad = g, g.clone()
+        ours.step()
+        pure.step()
+        for p, q in zip(a, b):
+            assert max_abs_diff(p, q) <= 1e-12, t
+    for p, q in zip(a, b):
+        assert max_abs_diff(ours.state[p]["exp_avg_sq"], pure.state[q]["exp_avg_sq"]) <= 1e-12
+
+
+def test_the_command_prints_its_table(capsys):
+    assert bench.main(["--workload", "tiny", "--rounds", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| gwt.WaveletAdam |" in out and "| pure PyTorch GWT |" in out
+    assert "| torch.optim.Adam(fused=True) |" in out and "Machine:" in out
