@@ -2,7 +2,8 @@
 # The fused-kernel/reference tests under emulated CPUs and thread counts (issue 12): MKL's
 # conditional numerical reproducibility modes (MKL_CBWR; MKL falls back where the CPU lacks an
 # instruction set), ATen's dispatch level (ATEN_CPU_CAPABILITY), gwt's own kernels without AVX2
-# (GWT_NO_AVX2=1), and 1 and 2 threads. Run by .ci/run after scripts/test.sh has built build/.
+# (GWT_NO_AVX2=1), the one-row general kernel on every row (GWT_NO_ROWS8=1: the AVX2 build steps
+# float32 rows eight at a time otherwise), and 1 and 2 threads. Run by .ci/run after scripts/test.sh has built build/.
 #
 #   ./scripts/cpu_matrix.sh [build dir] [gtest filter]
 set -uo pipefail
@@ -12,7 +13,7 @@ filter="${2:-Fused.*:KernelRows.*:KernelLanes.*:WaveletAdam*.*:Transform*.*:Comp
 [[ -x "$bin" ]] || { echo "cpu_matrix: $bin not built (run ./scripts/test.sh first)" >&2; exit 2; }
 settings=(
   "MKL_CBWR=COMPATIBLE" "MKL_CBWR=AVX2" "MKL_CBWR=AVX512"
-  "ATEN_CPU_CAPABILITY=default" "ATEN_CPU_CAPABILITY=avx2" "GWT_NO_AVX2=1"
+  "ATEN_CPU_CAPABILITY=default" "ATEN_CPU_CAPABILITY=avx2" "GWT_NO_AVX2=1" "GWT_NO_ROWS8=1"
   "OMP_NUM_THREADS=1" "OMP_NUM_THREADS=2"
 )
 passed=0 failed=0 failures=()
