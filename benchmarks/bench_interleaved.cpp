@@ -3,13 +3,17 @@
 // a round alike. The ratio to at::_fused_adam_ is taken within each round, and the table reports
 // the median over rounds with the range.
 //
-//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2]
+//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4]
 //
 // Workloads as in gwt_bench_step (benchmarks/workloads.h): 0 llama60m, 1 4096x4096,
-// 2 500x(64x64+64).
+// 2 500x(64x64+64), 4 the main job's model (tiny preset). On workload 4 the variants are those of
+// the main job's table: torch::optim::AdamW against WaveletAdam with the paper's groups (linear
+// weights of the blocks on the wavelet path, everything else dense), so that the optimizers' share
+// of its ms / step is measured without the forward and backward passes' run-to-run noise.
 
 #include <ATen/ATen.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <chrono>
@@ -50,7 +54,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   int64_t rounds = 30;
-  std::vector<int> workloads = {0, 1, 2};
+  std::vector<int> workloads = {0, 1, 2, 4};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--rounds") {
@@ -65,7 +69,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const char* names[] = {"llama60m", "4096x4096", "500x(64x64+64)"};
+  const char* names[] = {"llama60m", "4096x4096", "500x(64x64+64)", "", "train_lm tiny"};
   std::printf(
       "| workload | variant | median ms / step | vs `at::_fused_adam_` (median of rounds) | "
       "range over rounds |\n|---|---|---:|---:|---:|\n");
@@ -93,17 +97,43 @@ int main(int argc, char** argv) {
       keep.push_back(std::move(opt));
       variants.push_back({name, [o] { o->step(); }, {}});
     };
-    add("`torch::optim::Adam`",
-        std::make_unique<torch::optim::Adam>(gwt_bench::make_workload(which),
-                                             torch::optim::AdamOptions(1e-3)));
-    add("WaveletAdam haar L=2",
-        wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_step"));
-    add("WaveletAdam haar L=2, skip_param",
-        wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_param"));
-    add("WaveletAdam haar 2-D L=2",
-        wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_step"));
-    add("WaveletAdam db2 L=2",
-        wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
+    if (which == 4) {  // the main job's optimizers (examples/train_lm)
+      add("`torch::optim::AdamW`",
+          std::make_unique<torch::optim::AdamW>(gwt_bench::make_workload(which),
+                                                torch::optim::AdamWOptions(1e-3)));
+      for (const auto& [wavelet, level] : std::vector<std::pair<std::string, int64_t>>{
+               {"haar", 1}, {"haar", 2}, {"haar", 3}, {"db2", 2}}) {
+        const auto params = gwt_bench::make_workload(which);
+        std::vector<at::Tensor> wavelet_params, dense_params;
+        for (size_t i = 0; i < params.size(); ++i)
+          (gwt_bench::tiny_lm_wavelet_param(params, i) ? wavelet_params : dense_params)
+              .push_back(params[i]);
+        const auto options = gwt::WaveletAdamOptions(3e-3).wavelet(wavelet).level(level);
+        auto opt = std::make_unique<gwt::WaveletAdam>(
+            std::vector<torch::optim::OptimizerParamGroup>{
+                torch::optim::OptimizerParamGroup(
+                    wavelet_params, std::make_unique<gwt::WaveletAdamOptions>(options)),
+                torch::optim::OptimizerParamGroup(dense_params,
+                                                  std::make_unique<gwt::WaveletAdamOptions>(
+                                                      gwt::WaveletAdamOptions(options).level(0)))},
+            options);
+        TORCH_CHECK(opt->group_options(1).level() == 0, "the dense group lost its options");
+        add("WaveletAdam " + wavelet + " L=" + std::to_string(level) + ", paper groups",
+            std::move(opt));
+      }
+    } else {
+      add("`torch::optim::Adam`",
+          std::make_unique<torch::optim::Adam>(gwt_bench::make_workload(which),
+                                               torch::optim::AdamOptions(1e-3)));
+      add("WaveletAdam haar L=2",
+          wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_step"));
+      add("WaveletAdam haar L=2, skip_param",
+          wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_param"));
+      add("WaveletAdam haar 2-D L=2",
+          wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_step"));
+      add("WaveletAdam db2 L=2",
+          wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
+    }
     for (auto& v : variants) v.step();  // state created, caches warm
     for (int64_t r = 0; r < rounds; ++r) {
       for (auto& v : variants) {

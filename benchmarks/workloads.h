@@ -12,8 +12,16 @@ namespace gwt_bench {
 /// down 512x1376 (25.3M values); (1) one 4096x4096 matrix; (2) many small tensors: 500 of 64x64
 /// and 500 biases of 64 (2.08M values), where per-tensor host work shows; (3) a 1B-parameter
 /// LLaMA-shaped set for GPUs: 20 layers of q, k, v, o 2048x2048, gate and up 5632x2048, down
-/// 2048x5632 (1.03B values, 4 GB of fp32 parameters and 4 GB of gradients). fp32 parameters with
-/// fixed gradients.
+/// 2048x5632 (1.03B values, 4 GB of fp32 parameters and 4 GB of gradients); (4) the parameters of
+/// the main job's model (examples/train_lm, preset "tiny": byte embedding and head 256x128, 4
+/// layers of q, k, v, o 128x128, gate and up 344x128, down 128x344 and two norms of 128, a final
+/// norm; 0.86M values). fp32 parameters with fixed gradients.
+/// Whether parameter i of workload 4 is a linear layer's weight inside a block: the tensors
+/// gwt::paper_param_groups puts in the wavelet group (embedding, head and norms stay dense).
+inline bool tiny_lm_wavelet_param(const std::vector<at::Tensor>& params, size_t i) {
+  return params[i].dim() == 2 && i != 0 && i + 1 != params.size();
+}
+
 inline std::vector<at::Tensor> make_workload(int which, const at::Device& device = at::kCPU) {
   at::manual_seed(0);
   std::vector<std::vector<int64_t>> shapes;
@@ -33,6 +41,18 @@ inline std::vector<at::Tensor> make_workload(int which, const at::Device& device
       shapes.push_back({5632, 2048});
       shapes.push_back({2048, 5632});
     }
+  } else if (which == 4) {
+    shapes.push_back({256, 128});  // embedding
+    for (int layer = 0; layer < 4; ++layer) {
+      shapes.push_back({128});  // attention norm
+      for (int i = 0; i < 4; ++i) shapes.push_back({128, 128});
+      shapes.push_back({128});  // MLP norm
+      shapes.push_back({344, 128});
+      shapes.push_back({344, 128});
+      shapes.push_back({128, 344});
+    }
+    shapes.push_back({128});       // final norm
+    shapes.push_back({256, 128});  // head
   } else {
     for (int i = 0; i < 500; ++i) shapes.push_back({64, 64});
     for (int i = 0; i < 500; ++i) shapes.push_back({64});
