@@ -96,6 +96,11 @@ gwt_install_plot_python() {
 # CMAKE_PREFIX_PATH).
 gwt_install_python_test_deps() {
   if [[ -z "${GWT_PYTHON:-}" ]] || ! "$GWT_PYTHON" -c "import torch" 2>/dev/null; then return 1; fi
+  # The extension module needs Python.h: Debian's python3 has it from python3-dev (pyenv's and
+  # most others' ship their headers).
+  if ! "$GWT_PYTHON" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
+    gwt_install_debian_packages python3-dev
+  fi
   if ! "$GWT_PYTHON" -c "import pytest, pywt, scikit_build_core" 2>/dev/null; then
     gwt_log "installing pytest, PyWavelets and scikit-build-core into $(dirname "$(dirname "$GWT_PYTHON")")"
     "$GWT_PYTHON" -m pip install --quiet --no-cache-dir pytest PyWavelets "scikit-build-core>=0.10"

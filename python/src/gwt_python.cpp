@@ -3,12 +3,12 @@
 //
 // The optimizers' state lives in Python (torch.optim.Optimizer's `state` and `param_groups`, so
 // that state_dict(), torch.save and LR schedulers work as with any torch optimizer). Each step
-// builds a gwt::WaveletAdam (or gwt::GaLoreAdam) over the same parameter tensors, puts per-parameter
-// states that share the Python state's tensors into its state() map, runs its step() (the C++
-// kernels update parameters and moments in place, no copies) and writes the state back: the step
-// count, and the tensors the step replaced (the limiter norm, fresh moments at a first step, new
-// GaLore projectors). Building the optimizer costs microseconds per parameter (python/gwt/bench.py
-// measures the whole step).
+// builds a gwt::WaveletAdam (or gwt::GaLoreAdam) over the same parameter tensors, puts
+// per-parameter states that share the Python state's tensors into its state() map, runs its step()
+// (the C++ kernels update parameters and moments in place, no copies) and writes the state back:
+// the step count, and the tensors the step replaced (the limiter norm, fresh moments at a first
+// step, new GaLore projectors). Building the optimizer costs microseconds per parameter
+// (python/gwt/bench.py measures the whole step).
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -22,6 +22,7 @@
 
 #include <array>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "gwt/kernels.h"
 #include "gwt/nn/delta_linear.h"
 #include "gwt/optim/galore_adam.h"
 #include "gwt/optim/wavelet_adam.h"
@@ -168,8 +170,10 @@ struct WaveletAdamTraits {
     auto s = std::make_unique<State>();
     if (d.contains("step")) s->step(int_value(d["step"], "state 'step'"));
     if (d.contains("exp_avg")) s->exp_avg(tensor_value(d["exp_avg"], "state 'exp_avg'"));
-    if (d.contains("exp_avg_sq")) s->exp_avg_sq(tensor_value(d["exp_avg_sq"], "state 'exp_avg_sq'"));
-    if (d.contains("norm") && !d["norm"].is_none()) s->norm(tensor_value(d["norm"], "state 'norm'"));
+    if (d.contains("exp_avg_sq"))
+      s->exp_avg_sq(tensor_value(d["exp_avg_sq"], "state 'exp_avg_sq'"));
+    if (d.contains("norm") && !d["norm"].is_none())
+      s->norm(tensor_value(d["norm"], "state 'norm'"));
     if (d.contains("skipped")) s->skipped(int_value(d["skipped"], "state 'skipped'"));
     // The thresholding report of the parameter's last thresholded step (not in C++ checkpoints).
     if (d.contains("kept_details") && d.contains("total_details")) {
@@ -243,7 +247,8 @@ struct GaLoreAdamTraits {
     auto s = std::make_unique<State>();
     if (d.contains("step")) s->step(int_value(d["step"], "state 'step'"));
     if (d.contains("exp_avg")) s->exp_avg(tensor_value(d["exp_avg"], "state 'exp_avg'"));
-    if (d.contains("exp_avg_sq")) s->exp_avg_sq(tensor_value(d["exp_avg_sq"], "state 'exp_avg_sq'"));
+    if (d.contains("exp_avg_sq"))
+      s->exp_avg_sq(tensor_value(d["exp_avg_sq"], "state 'exp_avg_sq'"));
     if (d.contains("projector") && !d["projector"].is_none())
       s->projector(tensor_value(d["projector"], "state 'projector'"));
     if (d.contains("right")) {
@@ -300,8 +305,8 @@ Engine<Traits> build(const py::list& groups, const py::object& state) {
       engine.param_objects.push_back(py::reinterpret_borrow<py::object>(p));
       engine.params.push_back(tensors.back());
     }
-    cpp_groups.emplace_back(std::move(tensors),
-                            std::make_unique<typename Traits::Options>(Traits::options_from(group)));
+    cpp_groups.emplace_back(std::move(tensors), std::make_unique<typename Traits::Options>(
+                                                    Traits::options_from(group)));
   }
   engine.optimizer = std::make_unique<typename Traits::Optimizer>(std::move(cpp_groups));
   if (state.is_none()) return engine;
@@ -333,7 +338,7 @@ void write_state(const Engine<Traits>& engine, const py::object& state) {
     PyObject* entry = PyDict_GetItemWithError(state.ptr(), engine.param_objects[k].ptr());
     if (entry == nullptr && PyErr_Occurred()) throw py::error_already_set();
     py::dict d = entry != nullptr && PyDict_Check(entry) ? py::reinterpret_borrow<py::dict>(entry)
-                                                          : py::dict();
+                                                         : py::dict();
     Traits::state_to(s, d);
     if (entry == nullptr || entry != d.ptr())
       if (PyObject_SetItem(state.ptr(), engine.param_objects[k].ptr(), d.ptr()) != 0)
@@ -351,11 +356,21 @@ py::dict counters_dict(const std::map<std::string, int64_t>& counters) {
 template <typename Traits>
 py::dict step(const py::list& groups, const py::object& state) {
   Engine<Traits> engine = build<Traits>(groups, state);
+  std::exception_ptr failure;
   {
     py::gil_scoped_release no_gil;
-    engine.optimizer->step();
+    try {
+      engine.optimizer->step();
+    } catch (...) {
+      failure = std::current_exception();
+    }
   }
+  // A step that failed partway (out of memory, say, after some parameters were updated) has moved
+  // those parameters' moments in place: their step counts and limiter norms go back to Python too,
+  // as the C++ optimizer keeps them, before the error is raised. (An error found by the checks
+  // before any update writes back the state unchanged.)
   write_state(engine, state);
+  if (failure) std::rethrow_exception(failure);
   return counters_dict(Traits::counters(*engine.optimizer));
 }
 
@@ -388,9 +403,10 @@ py::object save_archive(const py::list& groups, const py::object& state,
   return py::bytes(out.str());
 }
 
-// Loads a C++ checkpoint (a path, or bytes from save_archive) into a C++ optimizer over `groups` (which checks all of it first: shapes,
-// dtypes, finite values, parameter order) and returns what Python keeps: the options of each group
-// (list of dicts), the state of each parameter with one (list, None for none), and the counters.
+// Loads a C++ checkpoint (a path, or bytes from save_archive) into a C++ optimizer over `groups`
+// (which checks all of it first: shapes, dtypes, finite values, parameter order) and returns what
+// Python keeps: the options of each group (list of dicts), the state of each parameter with one
+// (list, None for none), and the counters.
 template <typename Traits>
 py::tuple load_archive(const py::list& groups, const py::object& source) {
   Engine<Traits> engine = build<Traits>(groups, py::none());
@@ -484,8 +500,10 @@ std::shared_ptr<DeltaLinearImpl> make_delta_linear(const at::Tensor& weight,
                                                    bool orthogonal_core, double alpha,
                                                    bool gram_schmidt, bool train_base) {
   return as_value_error([&] {
-    TORCH_CHECK(weight.dim() == 2, "gwt::nn::DeltaLinear: the base weight must be 2-D [out, in], "
-                "got ", weight.sizes());
+    TORCH_CHECK(weight.dim() == 2,
+                "gwt::nn::DeltaLinear: the base weight must be 2-D [out, in], "
+                "got ",
+                weight.sizes());
     const int64_t out = weight.size(0), in = weight.size(1);
     // A Linear holder around the given tensors (DeltaLinearImpl reads its weight and bias).
     torch::nn::Linear base(torch::nn::LinearOptions(in, out).bias(bias.has_value()));
@@ -573,6 +591,10 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  m.def("built_with_cuda", &gwt::kernels::built_with_cuda,
+        "Whether this build of gwt has its CUDA kernels (else CUDA parameters take the reference)");
+  m.def("cuda_kernels_run_on", &gwt::kernels::cuda_kernels_run_on, py::arg("device_index"),
+        "Whether the CUDA kernels run on that device (an image for its architecture)");
   m.def("wavelets", &gwt::Wavelet::available, "Every wavelet name gwt knows (PyWavelets' filters)");
   m.def("modes", &gwt::boundary_mode_names, "Every boundary mode gwt knows");
   m.def(
