@@ -69,7 +69,10 @@ class GeneralAdam {
   int64_t groups() const {
 #ifdef GWT_WAVELET_ROWS8
     if constexpr (k_rows8) {
-      if (a_.threshold <= 0 && rows8::enabled()) return a_.rows / rows8::k_lanes;
+      // Rows up to 32K values: the eight rows' scratch (about 40 n floats per thread, kept between
+      // steps) then stays within a few MB, in L2/L3, where the transposes pay; longer rows take
+      // the one-row body, whose scratch is freed after each pass.
+      if (a_.threshold <= 0 && a_.n <= 32768 && rows8::enabled()) return a_.rows / rows8::k_lanes;
     }
 #endif
     return 0;
