@@ -117,6 +117,23 @@ at::Tensor tensor_value(const py::handle& value, const char* what) {
 // The two optimizers: options, state and counters between Python dicts and C++
 // ------------------------------------------------------------------------------------------------
 
+// What the two optimizers' per-parameter states share: Adam's step count and moments.
+template <typename State>
+std::unique_ptr<State> adam_state_from(const py::dict& d) {
+  auto s = std::make_unique<State>();
+  if (d.contains("step")) s->step(int_value(d["step"], "state 'step'"));
+  if (d.contains("exp_avg")) s->exp_avg(tensor_value(d["exp_avg"], "state 'exp_avg'"));
+  if (d.contains("exp_avg_sq")) s->exp_avg_sq(tensor_value(d["exp_avg_sq"], "state 'exp_avg_sq'"));
+  return s;
+}
+
+template <typename State>
+void adam_state_to(const State& s, py::dict& d) {
+  d["step"] = s.step();
+  d["exp_avg"] = s.exp_avg();
+  d["exp_avg_sq"] = s.exp_avg_sq();
+}
+
 struct WaveletAdamTraits {
   using Optimizer = gwt::WaveletAdam;
   using Options = gwt::WaveletAdamOptions;
@@ -167,11 +184,7 @@ struct WaveletAdamTraits {
   }
 
   static std::unique_ptr<State> state_from(const py::dict& d) {
-    auto s = std::make_unique<State>();
-    if (d.contains("step")) s->step(int_value(d["step"], "state 'step'"));
-    if (d.contains("exp_avg")) s->exp_avg(tensor_value(d["exp_avg"], "state 'exp_avg'"));
-    if (d.contains("exp_avg_sq"))
-      s->exp_avg_sq(tensor_value(d["exp_avg_sq"], "state 'exp_avg_sq'"));
+    auto s = adam_state_from<State>(d);
     if (d.contains("norm") && !d["norm"].is_none())
       s->norm(tensor_value(d["norm"], "state 'norm'"));
     if (d.contains("skipped")) s->skipped(int_value(d["skipped"], "state 'skipped'"));
@@ -184,9 +197,7 @@ struct WaveletAdamTraits {
   }
 
   static void state_to(const State& s, py::dict& d) {
-    d["step"] = s.step();
-    d["exp_avg"] = s.exp_avg();
-    d["exp_avg_sq"] = s.exp_avg_sq();
+    adam_state_to(s, d);
     if (s.norm().defined())
       d["norm"] = s.norm();
     else if (d.contains("norm"))
@@ -244,11 +255,7 @@ struct GaLoreAdamTraits {
   }
 
   static std::unique_ptr<State> state_from(const py::dict& d) {
-    auto s = std::make_unique<State>();
-    if (d.contains("step")) s->step(int_value(d["step"], "state 'step'"));
-    if (d.contains("exp_avg")) s->exp_avg(tensor_value(d["exp_avg"], "state 'exp_avg'"));
-    if (d.contains("exp_avg_sq"))
-      s->exp_avg_sq(tensor_value(d["exp_avg_sq"], "state 'exp_avg_sq'"));
+    auto s = adam_state_from<State>(d);
     if (d.contains("projector") && !d["projector"].is_none())
       s->projector(tensor_value(d["projector"], "state 'projector'"));
     if (d.contains("right")) {
@@ -260,9 +267,7 @@ struct GaLoreAdamTraits {
   }
 
   static void state_to(const State& s, py::dict& d) {
-    d["step"] = s.step();
-    d["exp_avg"] = s.exp_avg();
-    d["exp_avg_sq"] = s.exp_avg_sq();
+    adam_state_to(s, d);
     if (s.projector().defined())
       d["projector"] = s.projector();
     else if (d.contains("projector"))

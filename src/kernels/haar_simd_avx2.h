@@ -82,15 +82,14 @@ struct Moments8 {
   }
 };
 
-/// Software prefetch of the two 64-byte lines of 32 floats k_ahead floats past x (into L1). A core
+/// Software prefetch of the 64-byte line k_ahead floats past x (into L1). A core
 /// of the machines measured keeps too few DRAM misses in flight for the hardware prefetchers
 /// alone to stream at the memory's speed (on one thread the Haar step moved 22 bytes per parameter
 /// more slowly than at::_fused_adam_ moved 28); requests a few KB ahead raise the misses in
 /// flight. Prefetching past the end of an array is harmless (a prefetch never faults).
 constexpr int64_t k_ahead = GWT_HAAR_AHEAD;
-inline void prefetch32(const float* x) {
+inline void prefetch_line(const float* x) {
   _mm_prefetch(reinterpret_cast<const char*>(x + k_ahead), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(x + k_ahead + 16), _MM_HINT_T0);
 }
 
 /// Sum of the 8 lanes, in a fixed order.
@@ -120,7 +119,7 @@ inline float norm_sq(const StepConstants& c, const float* g, const float* m, con
                      int64_t count) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; j += 8) {
-    for (int e = 0; e < 8 * B; e += 32) prefetch32(g + j * B + e);
+    for (int e = 0; e < 8 * B; e += 16) prefetch_line(g + j * B + e);
     const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
     const Moments8 mv(c, m + j, v + j, a);
     const __m256 normalized = _mm256_div_ps(mv.m, mv.denom);
@@ -138,7 +137,7 @@ inline void update(const StepConstants& c, const float* g, float* p, float* m, f
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
   for (int64_t j = 0; j < count; j += 8) {
-    for (int e = 0; e < 8 * B; e += 32) prefetch32(g + j * B + e), prefetch32(p + j * B + e);
+    for (int e = 0; e < 8 * B; e += 16) prefetch_line(g + j * B + e), prefetch_line(p + j * B + e);
     const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
     const Moments8 mv(c, m + j, v + j, a);
     _mm256_storeu_ps(m + j, mv.m);
@@ -158,12 +157,12 @@ template <int B>
 inline void approx_by_rows(const StepConstants& c, const float* g, int64_t stride, int64_t height,
                            int64_t count, float* a) {
   for (int64_t j = 0; j < count; j += 8) {
-    for (int e = 0; e < 8 * B; e += 32) prefetch32(g + j * B + e);
+    for (int e = 0; e < 8 * B; e += 16) prefetch_line(g + j * B + e);
     _mm256_storeu_ps(a + j, block_sums8<B>(g + j * B));
   }
   for (int64_t r = 1; r < height; ++r)
     for (int64_t j = 0; j < count; j += 8) {
-      for (int e = 0; e < 8 * B; e += 32) prefetch32(g + r * stride + j * B + e);
+      for (int e = 0; e < 8 * B; e += 16) prefetch_line(g + r * stride + j * B + e);
       _mm256_storeu_ps(
           a + j, _mm256_add_ps(_mm256_loadu_ps(a + j), block_sums8<B>(g + r * stride + j * B)));
     }
@@ -202,7 +201,7 @@ inline void update_by_rows(const StepConstants& c, const float* g, float* p, int
   }
   for (int64_t r = 0; r < height; ++r)
     for (int64_t j = 0; j < count; j += 8) {
-      for (int e = 0; e < 8 * B; e += 32) prefetch32(p + r * stride + j * B + e);
+      for (int e = 0; e < 8 * B; e += 16) prefetch_line(p + r * stride + j * B + e);
       update_elements8<B>(g + r * stride + j * B, p + r * stride + j * B,
                           _mm256_loadu_ps(factor + j), _mm256_loadu_ps(a + j), keep_v);
     }

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -57,12 +58,22 @@ class GeneralAdam {
     TORCH_INTERNAL_ASSERT(lengths_.back() == args.approx_len);
     TORCH_INTERNAL_ASSERT(plan_.detail_offset[1] + lengths_[1] == args.coeff_len);
     scratch_len_ = args.n + 2 * taps_ + 8;
+#ifdef GWT_WAVELET_ROWS8
+    if constexpr (k_rows8) {
+      if (groups() > 0) body8_.emplace(a_, plan_);  // the taps broadcast once per pass
+    }
+#endif
   }
+  // body8_ refers to plan_: never copied (with_kernel's temporary is built in place).
+  GeneralAdam(const GeneralAdam&) = delete;
+  GeneralAdam& operator=(const GeneralAdam&) = delete;
 
   // Rows per parallel chunk: threads only for about 16K elements or more (a parallel region costs
   // a few microseconds; this kernel does more work per element than Haar's). Results do not
   // depend on it: each row is summed on its own, the rows in order.
-  int64_t grain() const { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, a_.n)); }
+  int64_t grain() const {
+    return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, a_.n));
+  }
 
   // Work items: groups of eight rows for the eight-lane body (the first groups() * 8 rows), then
   // single rows. Which rows go in groups depends only on the shape, never on the thread count.
@@ -141,13 +152,13 @@ class GeneralAdam {
   void norm_sq_group([[maybe_unused]] int64_t r0, [[maybe_unused]] int64_t next,
                      [[maybe_unused]] double* sums) const {
 #ifdef GWT_WAVELET_ROWS8
-    if constexpr (k_rows8) rows8::Rows8(a_, plan_).norm_sq(r0, next, group_scratch(), sums);
+    if constexpr (k_rows8) body8_->norm_sq(r0, next, group_scratch(), sums);
 #endif
   }
   void update_group([[maybe_unused]] int64_t r0, [[maybe_unused]] int64_t next,
                     [[maybe_unused]] Acc lim) const {
 #ifdef GWT_WAVELET_ROWS8
-    if constexpr (k_rows8) rows8::Rows8(a_, plan_).update(r0, next, lim, group_scratch());
+    if constexpr (k_rows8) body8_->update(r0, next, lim, group_scratch());
 #endif
   }
 
@@ -392,6 +403,9 @@ class GeneralAdam {
   std::vector<int64_t> lengths_;        // lengths_[l]: coefficients per subband at level l
   std::vector<int64_t> detail_offset_;  // where D_l starts in a workspace row
   size_t scratch_len_;
+#ifdef GWT_WAVELET_ROWS8
+  std::optional<rows8::Rows8> body8_;  // the eight-lane body, where groups() > 0
+#endif
 };
 
 // Calls fn(kernel) with the GeneralAdam instance for the argument's types.
