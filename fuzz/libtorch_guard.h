@@ -126,20 +126,30 @@ class BufferReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
 };
 
 /// Whether any record of the archive in `data` declares more than 64 MiB, or any pickle record
-/// fails pickle_stream_out_of_range: data.pkl, constants.pkl and the code's *.debug_pkl (by listing, or where a damaged entry name makes the
-/// listing throw while load_from still reads the records it needs, by the names gwt's checkpoints
-/// use). Bytes that are not a zip archive LibTorch opens say no: load_from rejects them itself.
+/// fails pickle_stream_out_of_range: data.pkl, constants.pkl and the code's *.debug_pkl (by
+/// listing, or where a damaged entry name makes the listing throw while load_from still reads the
+/// records it needs, by the names gwt's checkpoints use). Bytes that are not a zip archive LibTorch
+/// opens say no: load_from rejects them itself.
+///
+/// Each record is looked at through a reader of its own. A reader keeps miniz's last error: once
+/// one record's damaged entry (say, an unknown compression method) set it, the same reader's
+/// hasRecord throws for every later record, which load_from, reading data.pkl first, never sees.
+/// With one shared reader, a damaged tensor record listed before data.pkl hid a LONG_BINPUT of
+/// 2^31 in data.pkl, and LibTorch asked for 31 GB (fuzz_compression, CI, 2026-12-05).
 inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
-  try {
-    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
+  auto open = [&]() {
+    return std::make_unique<caffe2::serialize::PyTorchStreamReader>(
         std::make_shared<BufferReadAdapter>(data, size));
+  };
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> listing;
+  try {
+    listing = open();
   } catch (const std::exception&) {
     return false;
   }
   std::vector<std::string> names;
   try {
-    names = reader->getAllRecords();
+    names = listing->getAllRecords();
   } catch (const std::exception&) {
     names = {"data.pkl", "constants.pkl", "code/__torch__.py", "code/__torch__.py.debug_pkl"};
     for (int i = 0; i < 64; ++i) {
@@ -150,6 +160,7 @@ inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
   }
   for (const auto& name : names) {
     try {
+      const auto reader = open();
       if (!reader->hasRecord(name)) continue;
       // getRecord allocates the size the record's zip header declares before it reads a byte: a
       // 6 KB input whose code/*.py header says 2 GB had LibTorch allocate and fill 2 GB for >10 s

@@ -10,6 +10,9 @@
 #
 # Environment: GWT_FUZZ_BUILD (build dir, default build-fuzz), GWT_JOBS (build jobs),
 # GWT_FUZZ_RUNS=N (also stop a target after N executions, whichever of the two comes first),
+# GWT_FUZZ_SEED=N (libFuzzer's -seed: the same seed, corpus and binary replay the same inputs in
+# the same order, so a run is reproducible and a gate can pass by construction; unset, each run
+# draws a seed and explores new inputs, which is what a developer's run is for),
 # GWT_FUZZ_MERGE=1 (merge the inputs that found new coverage back into fuzz/corpus/<target>),
 # GWT_FUZZ_NOTES=<dir> (inputs of the targets' notes, see fuzz/fuzz_util.h).
 set -euo pipefail
@@ -70,21 +73,23 @@ for t in "${targets[@]}"; do
   rc=0
   t_start=$(date +%s)
   "$build/fuzz/gwt_fuzz_$t" -max_total_time="$seconds" ${GWT_FUZZ_RUNS:+-runs=$GWT_FUZZ_RUNS} \
+    ${GWT_FUZZ_SEED:+-seed=$GWT_FUZZ_SEED} \
     -timeout=10 -rss_limit_mb=4096 \
     -print_final_stats=1 -artifact_prefix="$crashes_dir/$t-" "$corpus" >"$log" 2>&1 || rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *\([0-9]*\).*/\1/p' "$log" | tail -1)
+  seed=$(sed -n 's/^INFO: Seed: *\([0-9]*\).*/\1/p' "$log" | head -1)
   units=$(find "$corpus" -type f | wc -l)
   # libFuzzer stops at the first crash (or timeout, or out-of-memory) and exits non-zero.
   crashes=0
   if [[ $rc -ne 0 || -z "$execs" ]]; then
     crashes=1
     failed=1
-    echo "fuzz $t: CRASHED (exit $rc) after ${execs:-?} executions; log tail:"
+    echo "fuzz $t: CRASHED (exit $rc) after ${execs:-?} executions (seed ${seed:-?}); log tail:"
     tail -40 "$log" | sed 's/^/  | /'
     grep -h 'Test unit written to' "$log" | sed 's/.*written to /  input: /' || true
   else
-    echo "fuzz $t: $execs executions in $(( $(date +%s) - t_start )) s (${rate:-?}/s), 0 crashes, corpus $seeds -> $units inputs"
+    echo "fuzz $t: $execs executions in $(( $(date +%s) - t_start )) s (${rate:-?}/s, seed ${seed:-?}), 0 crashes, corpus $seeds -> $units inputs"
   fi
   grep -h '^gwt fuzz note' "$log" | sed 's/^/  /' || true
   total_execs=$((total_execs + ${execs:-0}))
