@@ -3,6 +3,11 @@
 // resident memory is its own) writing <out>/<run>.csv and <run>.summary; the parent prints the
 // Markdown table and writes <out>/results.md. scripts/plot_lm.py draws the PNG.
 //
+// The runs take turns, one training step each (a token passed around a ring of pipes, TurnRing):
+// one process computes at any moment, and every run's ms / step is measured over the same minutes.
+// Run one after the other, each later run measured slower than the one before it whatever its
+// optimizer (the machine's drift, 5-6% over the job), and the column compared nothing.
+//
 //   train_lm [--preset tiny|llama-20m|llama-60m] [--optimizers a,b,...] [--corpus PATH]
 //            [--out DIR] [--steps N] [--device cpu|cuda] [--lr-adamw X] [--lr-wavelet X]
 //            [--scale X] [--nproc N] [--quiet]
@@ -13,18 +18,23 @@
 // runs are made; rank 0 prints and writes the results.
 
 #include <ATen/ATen.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
+#include <array>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -91,9 +101,55 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-// One run, in the child process.
+// Run `index` of `count`'s place in the ring of turns: it waits for the token on its own pipe,
+// trains one step, and passes the token to the next run's pipe. The parent makes the pipes before
+// it forks and closes its ends after it has put the first token in; each child keeps only its two
+// ends. A run that fails closes its write end by exiting, so the next run's wait sees end of file
+// and stops too, and so on around the ring: a failure ends every run, never a hang.
+class TurnRing {
+ public:
+  explicit TurnRing(size_t count) : fds_(count) {
+    for (auto& fd : fds_)
+      if (pipe(fd.data()) != 0) throw std::runtime_error("train_lm: pipe failed");
+  }
+  // In child `index`: close every end but its own read end and the next run's write end.
+  void join(size_t index) {
+    signal(SIGPIPE, SIG_IGN);  // passing to a run that has finished is not an error
+    in_ = fds_[index][0], out_ = fds_[(index + 1) % fds_.size()][1];
+    for (auto& fd : fds_)
+      for (int end : fd)
+        if (end != in_ && end != out_) close(end);
+  }
+  // In the parent, after every fork: the first turn is run 0's.
+  void start() {
+    const char token = 't';
+    if (write(fds_[0][1], &token, 1) != 1) throw std::runtime_error("train_lm: write failed");
+    for (auto& fd : fds_)
+      for (int end : fd) close(end);
+  }
+  void wait() const {
+    char token = 0;
+    ssize_t got = 0;
+    do got = read(in_, &token, 1);
+    while (got < 0 && errno == EINTR);
+    if (got != 1) throw std::runtime_error("another run stopped, so this one stops too");
+  }
+  void pass() const {
+    const char token = 't';
+    ssize_t put = 0;
+    do put = write(out_, &token, 1);
+    while (put < 0 && errno == EINTR);
+  }
+
+ private:
+  std::vector<std::array<int, 2>> fds_;
+  int in_ = -1, out_ = -1;
+};
+
+// One run, in the child process; `progress` prints the bar (one run of the ring does: the last,
+// whose step ends each round).
 lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpus& corpus,
-                     lm::OptimizerSpec spec) {
+                     lm::OptimizerSpec spec, const TurnRing& turns, const std::string& progress) {
   const at::Device device = args.device == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   at::manual_seed(1234);  // the same initial model for every optimizer
   lm::Decoder model(preset.model);
@@ -105,31 +161,37 @@ lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpu
   const std::string csv = args.out + "/" + spec.name + ".csv";
 
   std::vector<lm::EvalPoint> points;
-  double train_seconds = 0, recent_loss = 0;
-  const auto start = std::chrono::steady_clock::now();
+  // train_seconds: the timed training steps; own_seconds: this run's turns, evaluations included
+  // (the CSV's seconds: time the run itself took, not the other runs' turns).
+  double train_seconds = 0, own_seconds = 0, recent_loss = 0;
+  using clock = std::chrono::steady_clock;
+  const auto since = [](clock::time_point t) {
+    return std::chrono::duration<double>(clock::now() - t).count();
+  };
+  const auto start = clock::now();
   for (int64_t step = 0; step < preset.steps; ++step) {
+    turns.wait();
+    const auto turn_start = clock::now();
     const double lr = lm::cosine_lr(spec.lr, step, preset.warmup, preset.steps);
     for (auto& group : opt->param_groups()) group.options().set_lr(lr);
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = clock::now();
     const at::Tensor batch = batches.next().to(device);
     opt->zero_grad();
     const at::Tensor loss = lm::next_byte_loss(model, batch);
     loss.backward();
     opt->step();
     const double loss_value = loss.item<double>();
-    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    train_seconds += since(t0);
     recent_loss = step == 0 ? loss_value : 0.9 * recent_loss + 0.1 * loss_value;
     if ((step + 1) % preset.eval_every == 0 || step + 1 == preset.steps) {
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      points.push_back(
-          {step + 1, lr, recent_loss, lm::evaluate(model, val, preset.batch), seconds});
+      const double val_loss = lm::evaluate(model, val, preset.batch);
+      points.push_back({step + 1, lr, recent_loss, val_loss, own_seconds + since(turn_start)});
       lm::write_csv(csv, points);
     }
-    if (!args.quiet && ((step + 1) % 5 == 0 || step + 1 == preset.steps))
-      lm::progress_bar(
-          spec.label, 22, step, preset.steps, recent_loss,
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (!args.quiet && !progress.empty() && ((step + 1) % 5 == 0 || step + 1 == preset.steps))
+      lm::progress_bar(progress, 34, step, preset.steps, recent_loss, since(start));
+    own_seconds += since(turn_start);
+    turns.pass();
   }
   lm::RunSummary s;
   s.name = spec.name, s.label = spec.label, s.lr = spec.lr, s.scale = spec.scale;
@@ -215,27 +277,62 @@ int main(int argc, char** argv) {
         corpus.train.size(), corpus.val.size(), static_cast<long long>(preset.steps));
 
   std::vector<lm::RunSummary> runs;
-  for (const auto& spec : specs) {
-    const std::string summary = args.out + "/" + spec.name + ".summary";
-    std::fflush(nullptr);
-    const pid_t pid = fork();
-    if (pid == 0) {
-      try {
-        lm::write_summary(summary, train(args, preset, corpus, spec));
-        std::fflush(nullptr);
-        _exit(0);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "\ntrain_lm: run %s failed: %s\n", spec.name.c_str(), e.what());
-        std::fflush(nullptr);
-        _exit(1);
-      }
-    }
-    int status = 0;
-    if (pid < 0 || waitpid(pid, &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      std::fprintf(stderr, "train_lm: error: run %s did not finish\n", spec.name.c_str());
+  if (!specs.empty()) {
+    std::unique_ptr<TurnRing> ring;
+    try {
+      ring = std::make_unique<TurnRing>(specs.size());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
       return 1;
     }
-    runs.push_back(lm::read_summary(summary));
+    TurnRing& turns = *ring;
+    std::vector<pid_t> pids;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const auto& spec = specs[i];
+      std::fflush(nullptr);
+      const pid_t pid = fork();
+      if (pid == 0) {
+        try {
+          turns.join(i);
+          const std::string progress =
+              i + 1 < specs.size() ? std::string()
+              : specs.size() == 1  ? spec.label
+                                   : spec.label + " (+" + std::to_string(specs.size() - 1) +
+                                         " in turn)";
+          lm::write_summary(args.out + "/" + spec.name + ".summary",
+                            train(args, preset, corpus, spec, turns, progress));
+          std::fflush(nullptr);
+          _exit(0);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "\ntrain_lm: run %s failed: %s\n", spec.name.c_str(), e.what());
+          std::fflush(nullptr);
+          _exit(1);
+        }
+      }
+      if (pid < 0) {
+        std::fprintf(stderr, "train_lm: error: fork failed for run %s\n", spec.name.c_str());
+        for (pid_t p : pids) kill(p, SIGKILL), waitpid(p, nullptr, 0);
+        return 1;
+      }
+      pids.push_back(pid);
+    }
+    turns.start();
+    bool failed = false;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      int status = 0;
+      const bool waited = waitpid(pids[i], &status, 0) >= 0;
+      if (waited && WIFSIGNALED(status)) {
+        std::fprintf(stderr, "train_lm: error: run %s was killed (signal %d)\n",
+                     specs[i].name.c_str(), WTERMSIG(status));
+        failed = true;
+      } else if (!waited || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        std::fprintf(stderr, "train_lm: error: run %s did not finish\n", specs[i].name.c_str());
+        failed = true;
+      }
+    }
+    if (failed) return 1;
+    for (const auto& spec : specs)
+      runs.push_back(lm::read_summary(args.out + "/" + spec.name + ".summary"));
   }
   lm::ScaleOutConfig config;
   config.preset = preset, config.out = args.out, config.device = args.device;
