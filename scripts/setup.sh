@@ -20,7 +20,7 @@ GWT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 gwt_log() { printf '[gwt setup] %s\n' "$*" >&2; }
 
 gwt_install_debian_packages() {
-  local wanted=(cmake ninja-build g++ ccache libgtest-dev googletest libbenchmark-dev fortunes libgloo-dev python3 python3-venv "$@")
+  local wanted=(cmake ninja-build g++ ccache libgtest-dev googletest libbenchmark-dev fortunes libgloo-dev procps python3 python3-venv "$@")
   local missing=()
   for pkg in "${wanted[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
