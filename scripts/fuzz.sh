@@ -61,7 +61,11 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 crashes_dir="$root/fuzz/crashes"
 mkdir -p "$crashes_dir"
-work="$(mktemp -d)"
+# The working corpus lives on tmpfs where there is one: libFuzzer takes its seed inputs in the order
+# the directory lists them (ties of size stay in that order), and tmpfs lists in the order the files
+# were made, which the sorted glob below fixes; ext4 lists in the order of a hash seeded per
+# filesystem, so a fixed GWT_FUZZ_SEED would replay other inputs on another disk.
+work="$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 total_execs=0 total_crashes=0 failed=0
 for t in "${targets[@]}"; do
