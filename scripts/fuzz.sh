@@ -65,7 +65,13 @@ mkdir -p "$crashes_dir"
 # the directory lists them (ties of size stay in that order), and tmpfs lists in the order the files
 # were made, which the sorted glob below fixes; ext4 lists in the order of a hash seeded per
 # filesystem, so a fixed GWT_FUZZ_SEED would replay other inputs on another disk.
-work="$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)"
+# (Where /dev/shm has under 256 MB free, as in a container's default 64 MB, the disk it is.)
+shm_free_kb=$(df --output=avail -k /dev/shm 2>/dev/null | tail -1 | tr -d ' ' || true)
+if [[ "${shm_free_kb:-0}" =~ ^[0-9]+$ && "${shm_free_kb:-0}" -ge 262144 ]]; then
+  work="$(mktemp -d -p /dev/shm)"
+else
+  work="$(mktemp -d)"
+fi
 trap 'rm -rf "$work"' EXIT
 total_execs=0 total_crashes=0 failed=0
 for t in "${targets[@]}"; do
