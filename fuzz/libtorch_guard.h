@@ -135,7 +135,7 @@ class BufferReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
 /// call that does not check it can leave it set: getRecordSize of an entry with an unknown
 /// compression method returns its size and leaves "unsupported method" behind, and the next
 /// hasRecord, of any record, throws on it (and so clears it). Without the second look a damaged
-/// tensor record listed before data.pkl hid a LONG_BINPUT of 2^31 in data.pkl, which load_from,
+/// tensor record listed before data.pkl hid a LONG_BINPUT of 1.9e9 in data.pkl, which load_from,
 /// reading data.pkl first, does read: LibTorch asked for 31 GB (fuzz_compression, CI,
 /// 2026-12-05). One reader for all records, not one each: opening one allocates what the
 /// archive's version record declares, and a 4.7 KB input took 0.6 s per opening under ASan.

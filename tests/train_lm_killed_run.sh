@@ -30,3 +30,6 @@ pkill -9 -P "$pid" 2>/dev/null  # nothing should be left; never leave runs behin
 [ "$rc" -eq 1 ] || { echo "train_lm exited $rc, expected 1"; exit 1; }
 grep -q 'train_lm: error: run .* was killed (signal 9)' "$out/log" ||
   { echo "no error naming the killed run"; exit 1; }
+# The other two stopped because the ring did, not by the watchdog (which would give rc 137).
+[ "$(grep -c 'another run stopped, so this one stops too' "$out/log")" -eq 2 ] ||
+  { echo "the other runs did not stop through the ring"; exit 1; }

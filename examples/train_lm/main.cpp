@@ -101,8 +101,8 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-// Run `index` of `count`'s place in the ring of turns: it waits for the token on its own pipe,
-// trains one step, and passes the token to the next run's pipe. The parent makes the pipes before
+// The ring of turns of `count` runs: run i waits for the token on pipe i, trains one step, and
+// passes the token on to pipe i + 1 (the last to pipe 0). The parent makes the pipes before
 // it forks and closes its ends after it has put the first token in; each child keeps only its two
 // ends. A run that fails closes its write end by exiting, so the next run's wait sees end of file
 // and stops too, and so on around the ring: a failure ends every run, never a hang.
@@ -174,14 +174,13 @@ lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpu
     const auto turn_start = clock::now();
     const double lr = lm::cosine_lr(spec.lr, step, preset.warmup, preset.steps);
     for (auto& group : opt->param_groups()) group.options().set_lr(lr);
-    const auto t0 = clock::now();
     const at::Tensor batch = batches.next().to(device);
     opt->zero_grad();
     const at::Tensor loss = lm::next_byte_loss(model, batch);
     loss.backward();
     opt->step();
     const double loss_value = loss.item<double>();
-    train_seconds += since(t0);
+    train_seconds += since(turn_start);
     recent_loss = step == 0 ? loss_value : 0.9 * recent_loss + 0.1 * loss_value;
     if ((step + 1) % preset.eval_every == 0 || step + 1 == preset.steps) {
       const double val_loss = lm::evaluate(model, val, preset.batch);
