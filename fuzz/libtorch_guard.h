@@ -125,6 +125,28 @@ class BufferReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
   size_t size_;
 };
 
+/// No gwt archive holds a record near this size; LibTorch allocates what a record declares.
+constexpr uint64_t k_record_limit = uint64_t{64} << 20;
+
+/// Whether any zip central-directory entry in `data` declares an uncompressed size over
+/// k_record_limit (or defers it to a zip64 field, 0xFFFFFFFF). Read from the bytes alone, before
+/// LibTorch opens anything: its PyTorchStreamReader reads the archive's version record while it is
+/// being constructed, at the size the entry declares, so a 4.7 KB input whose `version` declared
+/// 512 MiB took 0.6 s per opening under ASan, and load_from itself once ran past the 10 s timeout
+/// copying such a record into an error message. Every "PK\1\2" signature in the input is taken as
+/// an entry, wherever it lies: a superset of the entries miniz can find by any end-of-directory
+/// record it settles on, so the answer never depends on how miniz reads a damaged directory.
+inline bool declares_large_record(const uint8_t* data, size_t size) {
+  constexpr size_t k_header = 46;  // central directory file header, fixed part
+  for (size_t i = 0; i + k_header <= size; ++i) {
+    if (data[i] != 'P' || data[i + 1] != 'K' || data[i + 2] != 1 || data[i + 3] != 2) continue;
+    const uint64_t uncompressed = uint64_t{data[i + 24]} | uint64_t{data[i + 25]} << 8 |
+                                  uint64_t{data[i + 26]} << 16 | uint64_t{data[i + 27]} << 24;
+    if (uncompressed > k_record_limit) return true;  // 0xFFFFFFFF (zip64) included
+  }
+  return false;
+}
+
 /// Whether any record of the archive in `data` declares more than 64 MiB, or any pickle record
 /// fails pickle_stream_out_of_range: data.pkl, constants.pkl and the code's *.debug_pkl (by
 /// listing, or where a damaged entry name makes the listing throw while load_from still reads the
@@ -137,9 +159,10 @@ class BufferReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
 /// hasRecord, of any record, throws on it (and so clears it). Without the second look a damaged
 /// tensor record listed before data.pkl hid a LONG_BINPUT of 1.9e9 in data.pkl, which load_from,
 /// reading data.pkl first, does read: LibTorch asked for 31 GB (fuzz_compression, CI,
-/// 2026-12-05). One reader for all records, not one each: opening one allocates what the
-/// archive's version record declares, and a 4.7 KB input took 0.6 s per opening under ASan.
+/// 2026-12-05). declares_large_record runs first, so no reader opens on a record that declares
+/// too much; one reader serves all records all the same (an opening reads the version record).
 inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
+  if (declares_large_record(data, size)) return true;
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   try {
     reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
@@ -165,7 +188,7 @@ inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
       // getRecord allocates the size the record's zip header declares before it reads a byte: a
       // 6 KB input whose code/*.py header says 2 GB had LibTorch allocate and fill 2 GB for >10 s
       // (fuzz_load's timeout). No gwt archive has a record near 64 MiB.
-      if (reader->getRecordSize(name) > (size_t{64} << 20)) return 1;
+      if (reader->getRecordSize(name) > k_record_limit) return 1;
       if (name.size() < 3 || name.compare(name.size() - 3, 3, "pkl") != 0) return 0;
       const auto [ptr, bytes] = reader->getRecord(name);
       return pickle_stream_out_of_range(static_cast<const uint8_t*>(ptr.get()), bytes) ? 1 : 0;
