@@ -3,7 +3,10 @@
 // a round alike. The ratio to at::_fused_adam_ is taken within each round, and the table reports
 // the median over rounds with the range.
 //
-//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4]
+//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4] [--floors 0|1]
+//
+// --floors 1 (the default) adds three memory floors to workloads 0-2: loops that move a step's
+// bytes with next to no arithmetic (see FloorBuffers).
 //
 // Workloads as in gwt_bench_step (benchmarks/workloads.h): 0 llama60m, 1 4096x4096,
 // 2 500x(64x64+64), 4 the main job's model (tiny preset). On workload 4 the variants are those of
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "gwt/gwt.h"
+#include "memory_floors.h"
 #include "workloads.h"
 
 namespace {
@@ -45,6 +49,8 @@ std::unique_ptr<torch::optim::Optimizer> wavelet(std::vector<at::Tensor> params,
           nonfinite));
 }
 
+volatile double floor_sink = 0;  // keeps floor_read's sums alive
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -55,10 +61,13 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int64_t rounds = 30;
   std::vector<int> workloads = {0, 1, 2, 4};
+  bool floors = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--rounds") {
       rounds = std::max<int64_t>(3, std::stoll(value));
+    } else if (flag == "--floors") {
+      floors = value != "0";
     } else if (flag == "--workloads") {
       workloads.clear();
       std::stringstream in(value);
@@ -133,6 +142,17 @@ int main(int argc, char** argv) {
           wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_step"));
       add("WaveletAdam db2 L=2",
           wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
+      if (floors) {
+        auto one_pass = std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(gwt_bench::make_workload(which), 4));
+        variants.push_back({"floor: read 10 B, write 6 B (one pass, L=2)",
+                            [one_pass] { gwt_bench::floor_update(*one_pass, 4); }, {}});
+        auto read = std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(gwt_bench::make_workload(which), 4));
+        variants.push_back({"floor: read 4.5 B (a norm pass, L=2)",
+                            [read] { floor_sink = floor_sink + gwt_bench::floor_read(*read, 4); }, {}});
+        auto adam = std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(gwt_bench::make_workload(which), 1));
+        variants.push_back({"floor: read 16 B, write 12 B (Adam's bytes)",
+                            [adam] { gwt_bench::floor_update(*adam, 1); }, {}});
+      }
     }
     for (auto& v : variants) v.step();  // state created, caches warm
     for (int64_t r = 0; r < rounds; ++r) {
