@@ -1,7 +1,10 @@
 #include "memory_floors.h"
 
 #include <ATen/Parallel.h>
+
+#if defined(__SSE__)
 #include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 
@@ -12,7 +15,7 @@ namespace {
 // prefetchers alone (README, "Fast kernels"): the floors prefetch 4 KB ahead as gwt's kernels do,
 // or they would not be floors.
 inline void ahead(const float* x) {
-  _mm_prefetch(reinterpret_cast<const char*>(x + 1024), _MM_HINT_T0);
+  __builtin_prefetch(x + 1024, 0, 3);
 }
 
 // Chunks of 4096 values: p and g over the chunk, m and v over its 4096 / state_div state values.
@@ -24,12 +27,13 @@ void for_chunks(int64_t n, const Body& body) {
   });
 }
 
-// x <- x * scale + add over [0, n), four values at a time (SSE: every x86-64 CPU), the next line
-// prefetched every 16 values.
+// x <- x * scale + add * add_scale + add_const over [0, n) (add may be null), four values at a
+// time with SSE (every x86-64 CPU), the next line prefetched every 16 values.
 void scale_add(float* x, const float* add, float add_scale, float scale, float add_const,
                int64_t n) {
-  const __m128 s = _mm_set1_ps(scale), as = _mm_set1_ps(add_scale), c = _mm_set1_ps(add_const);
   int64_t i = 0;
+#if defined(__SSE__)
+  const __m128 s = _mm_set1_ps(scale), as = _mm_set1_ps(add_scale), c = _mm_set1_ps(add_const);
   for (; i + 16 <= n; i += 16) {
     ahead(x + i);
     if (add != nullptr) ahead(add + i);
@@ -39,7 +43,29 @@ void scale_add(float* x, const float* add, float add_scale, float scale, float a
       _mm_storeu_ps(x + i + k, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(x + i + k), s), extra));
     }
   }
+#endif
   for (; i < n; ++i) x[i] = x[i] * scale + (add != nullptr ? add[i] * add_scale : 0.f) + add_const;
+}
+
+// Sum of g[0, n) and of m[j] v[j] over [0, states).
+float read_sum(const float* g, int64_t n, const float* m, const float* v, int64_t states) {
+  float sum = 0;
+  int64_t i = 0, j = 0;
+#if defined(__SSE__)
+  __m128 acc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+  for (; i + 16 <= n; i += 16) {
+    ahead(g + i);
+    for (int k = 0; k < 4; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(g + i + 4 * k));
+  }
+  for (; j + 4 <= states; j += 4)
+    acc[0] = _mm_add_ps(acc[0], _mm_mul_ps(_mm_loadu_ps(m + j), _mm_loadu_ps(v + j)));
+  float lanes[4];
+  _mm_storeu_ps(lanes, _mm_add_ps(_mm_add_ps(acc[0], acc[1]), _mm_add_ps(acc[2], acc[3])));
+  sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#endif
+  for (; i < n; ++i) sum += g[i];
+  for (; j < states; ++j) sum += m[j] * v[j];
+  return sum;
 }
 
 }  // namespace
@@ -81,22 +107,8 @@ double floor_read(const FloorBuffers& b, int64_t state_div) {
     const int64_t n = b.g[t].numel(), states = b.m[t].numel();
     std::vector<float> partial(static_cast<size_t>((n + 4095) / 4096), 0.f);
     for_chunks(n, [&](int64_t i0, int64_t i1) {
-      __m128 acc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-      int64_t i = i0;
-      for (; i + 16 <= i1; i += 16) {
-        ahead(g + i);
-        for (int k = 0; k < 4; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(g + i + 4 * k));
-      }
-      float sum = 0;
-      for (; i < i1; ++i) sum += g[i];
-      const int64_t j1 = std::min(states, (i1 + state_div - 1) / state_div);
-      int64_t j = i0 / state_div;
-      for (; j + 4 <= j1; j += 4)
-        acc[0] = _mm_add_ps(acc[0], _mm_mul_ps(_mm_loadu_ps(m + j), _mm_loadu_ps(v + j)));
-      for (; j < j1; ++j) sum += m[j] * v[j];
-      float lanes[4];
-      _mm_storeu_ps(lanes, _mm_add_ps(_mm_add_ps(acc[0], acc[1]), _mm_add_ps(acc[2], acc[3])));
-      partial[static_cast<size_t>(i0 / 4096)] = sum + lanes[0] + lanes[1] + lanes[2] + lanes[3];
+      const int64_t j0 = i0 / state_div, j1 = std::min(states, (i1 + state_div - 1) / state_div);
+      partial[static_cast<size_t>(i0 / 4096)] = read_sum(g + i0, i1 - i0, m + j0, v + j0, j1 - j0);
     });
     for (float x : partial) total += x;
   }

@@ -3,9 +3,9 @@
 // Memory floors for gwt_bench_interleaved: loops that move exactly the bytes named and do next to
 // no arithmetic, over a workload's tensors (each its own buffers, so they are evicted like every
 // variant), split over threads as the kernels split a tensor. Their ratio to at::_fused_adam_ says
-// what ratio a step moving those bytes could reach on this machine at best (docs/bench_cpu.md,
-// "Memory floors"). In their own file: at::parallel_for runs in parallel only where the including
-// file is built with -fopenmp, as gwt's kernels are.
+// what ratio a step moving those bytes could reach on this machine at best (docs/memory_floors.md).
+// In their own file: at::parallel_for runs in parallel only where the including file is built with
+// -fopenmp, as gwt's kernels are.
 
 #include <ATen/ATen.h>
 
@@ -26,7 +26,8 @@ FloorBuffers floor_buffers(const std::vector<at::Tensor>& params, int64_t state_
 /// read and 12 B written).
 void floor_update(FloorBuffers& b, int64_t state_div);
 
-/// Reads g, m, v and writes nothing: a norm pass's bytes (4.5 B per value at state_div 4).
+/// Reads g, m, v and writes nothing: a norm pass's bytes (6 B per value at state_div 4: g, and m
+/// and v at a quarter each).
 double floor_read(const FloorBuffers& b, int64_t state_div);
 
 }  // namespace gwt_bench
