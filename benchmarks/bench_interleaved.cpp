@@ -143,18 +143,17 @@ int main(int argc, char** argv) {
       add("WaveletAdam db2 L=2",
           wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
       if (floors) {
-        auto one_pass = std::make_shared<gwt_bench::FloorBuffers>(
-            gwt_bench::floor_buffers(gwt_bench::make_workload(which), 4));
+        const auto shapes = gwt_bench::make_workload(which);  // each floor copies its own buffers
+        auto one_pass =
+            std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 4));
         variants.push_back({"floor: read 10 B, write 6 B (one pass, L=2)",
                             [one_pass] { gwt_bench::floor_update(*one_pass, 4); },
                             {}});
-        auto read = std::make_shared<gwt_bench::FloorBuffers>(
-            gwt_bench::floor_buffers(gwt_bench::make_workload(which), 4));
+        auto read = std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 4));
         variants.push_back({"floor: read 6 B (a norm pass, L=2)",
                             [read] { floor_sink = floor_sink + gwt_bench::floor_read(*read, 4); },
                             {}});
-        auto adam = std::make_shared<gwt_bench::FloorBuffers>(
-            gwt_bench::floor_buffers(gwt_bench::make_workload(which), 1));
+        auto adam = std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 1));
         variants.push_back({"floor: read 16 B, write 12 B (Adam's bytes)",
                             [adam] { gwt_bench::floor_update(*adam, 1); },
                             {}});

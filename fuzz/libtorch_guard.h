@@ -125,7 +125,9 @@ class BufferReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
   size_t size_;
 };
 
-/// No gwt archive holds a record near this size; LibTorch allocates what a record declares.
+/// No gwt archive holds a record near this size. LibTorch allocates what a record declares before
+/// it reads a byte: a 6 KB input whose code/*.py entry said 2 GB had it allocate and fill 2 GB for
+/// >10 s (fuzz_load's timeout).
 constexpr uint64_t k_record_limit = uint64_t{64} << 20;
 
 /// Whether any zip central-directory entry in `data` declares an uncompressed size over
@@ -153,14 +155,15 @@ inline bool declares_large_record(const uint8_t* data, size_t size) {
 /// records it needs, by the names gwt's checkpoints use). Bytes that are not a zip archive LibTorch
 /// opens say no: load_from rejects them itself.
 ///
+/// Record sizes are declares_large_record's: it runs before any reader opens, and every size a
+/// reader reports comes from an entry it has read. So only pickle records are looked up here.
+///
 /// A record whose lookup throws is looked up once more. The reader keeps miniz's last error, and a
-/// call that does not check it can leave it set: getRecordSize of an entry with an unknown
-/// compression method returns its size and leaves "unsupported method" behind, and the next
-/// hasRecord, of any record, throws on it (and so clears it). Without the second look a damaged
-/// tensor record listed before data.pkl hid a LONG_BINPUT of 1.9e9 in data.pkl, which load_from,
-/// reading data.pkl first, does read: LibTorch asked for 31 GB (fuzz_compression, CI,
-/// 2026-12-05). declares_large_record runs first, so no reader opens on a record that declares
-/// too much; one reader serves all records all the same (an opening reads the version record).
+/// call that does not check it can leave it set (getRecordSize of an entry with an unknown
+/// compression method returns its size and leaves "unsupported method" behind); the next hasRecord,
+/// of any record, throws on it and so clears it. That once hid a LONG_BINPUT of 1.9e9 in data.pkl
+/// behind a damaged tensor record listed before it, and LibTorch asked for 31 GB
+/// (fuzz_compression, CI, 2026-12-05; the input is in fuzz/corpus/compression).
 inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
   if (declares_large_record(data, size)) return true;
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
@@ -174,22 +177,15 @@ inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
   try {
     names = reader->getAllRecords();
   } catch (const std::exception&) {
-    names = {"data.pkl", "constants.pkl", "code/__torch__.py", "code/__torch__.py.debug_pkl"};
-    for (int i = 0; i < 64; ++i) {
-      const std::string code = "code/__torch__/___torch_mangle_" + std::to_string(i) + ".py";
-      names.push_back(code);
-      names.push_back(code + ".debug_pkl");
-    }
+    names = {"data.pkl", "constants.pkl", "code/__torch__.py.debug_pkl"};
+    for (int i = 0; i < 64; ++i)
+      names.push_back("code/__torch__/___torch_mangle_" + std::to_string(i) + ".py.debug_pkl");
   }
   // 1: out of range; 0: not; -1: the reader threw.
   auto check = [&](const std::string& name) -> int {
+    if (name.size() < 3 || name.compare(name.size() - 3, 3, "pkl") != 0) return 0;
     try {
       if (!reader->hasRecord(name)) return 0;
-      // getRecord allocates the size the record's zip header declares before it reads a byte: a
-      // 6 KB input whose code/*.py header says 2 GB had LibTorch allocate and fill 2 GB for >10 s
-      // (fuzz_load's timeout). No gwt archive has a record near 64 MiB.
-      if (reader->getRecordSize(name) > k_record_limit) return 1;
-      if (name.size() < 3 || name.compare(name.size() - 3, 3, "pkl") != 0) return 0;
       const auto [ptr, bytes] = reader->getRecord(name);
       return pickle_stream_out_of_range(static_cast<const uint8_t*>(ptr.get()), bytes) ? 1 : 0;
     } catch (const std::exception&) {
