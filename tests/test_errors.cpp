@@ -148,6 +148,31 @@ TEST(Errors, OptionsThatOverflowFloat32AreRejectedAtStepWithNothingChanged) {
   EXPECT_NO_THROW(f.opt.step());
 }
 
+TEST(Errors, OptionProductsThatOverflowFloat64AreRejectedAtStepWithNothingChanged) {
+  // Found by fuzz_step: lr 1e300 and scale 1e300, each a finite double, on a float64 parameter
+  // with a zero gradient: the step size x scale overflowed to inf, and inf x 0 wrote NaN into every
+  // value (sym7, fused). Each product that enters the float64 math is checked first.
+  for (bool fused : {true, false}) {
+    at::Tensor w = at::full({5, 10}, -0.8, at::kDouble).requires_grad_(true);
+    WaveletAdam opt({w}, WaveletAdamOptions(0.01).wavelet("sym7").level(2).fused(fused));
+    w.mutable_grad() = at::zeros({5, 10}, at::kDouble);
+    opt.step();
+    auto& o = static_cast<WaveletAdamOptions&>(opt.param_groups()[0].options());
+    for (auto set : std::vector<std::function<void()>>{[&] { o.lr(1e300).scale(1e300); },
+                                                       [&] { o.lr(1e300).weight_decay(1e300); }}) {
+      o = WaveletAdamOptions(0.01).wavelet("sym7").level(2).fused(fused);
+      set();
+      const at::Tensor w0 = w.detach().clone();
+      expect_error([&] { opt.step(); }, {"overflows float64", "Double parameter"});
+      EXPECT_TRUE(at::equal(w, w0));
+      EXPECT_EQ(static_cast<const WaveletAdamParamState&>(
+                    *opt.state().at(w.unsafeGetTensorImpl()))
+                    .step(),
+                1);
+    }
+  }
+}
+
 TEST(Errors, WideGradientThatOverflowsTheMathDtypeSkipsTheStepOnEveryPath) {
   // A float64 gradient of 1e300 for a float32 parameter is finite as given but infinite in the
   // float32 math. The reference path and dense parameters checked the gradient as given and

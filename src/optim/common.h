@@ -60,7 +60,16 @@ inline at::ScalarType compute_dtype(const at::Tensor& param) {
 /// every parameter before anything changes.
 inline void check_options_fit(const char* who, const at::Tensor& param,
                               std::initializer_list<std::pair<const char*, double>> values) {
-  if (compute_dtype(param) == at::kDouble) return;
+  // A float64 parameter's math is float64: its values fit unless a product of two finite options
+  // overflowed to infinity (lr 1e300 x scale 1e300 made a zero gradient's update inf x 0 = NaN,
+  // found by fuzz_step).
+  if (compute_dtype(param) == at::kDouble) {
+    for (const auto& [name, value] : values)
+      TORCH_CHECK(std::isfinite(value), who, ": ", name, " = ", value, " overflows float64, ",
+                  "the dtype the update of a Double parameter is computed in; it must be at most ",
+                  std::numeric_limits<double>::max(), " in magnitude");
+    return;
+  }
   constexpr double max = std::numeric_limits<float>::max();
   for (const auto& [name, value] : values)
     TORCH_CHECK(std::abs(value) <= max, who, ": ", name, " = ", value, " does not fit float32, ",
