@@ -167,9 +167,11 @@ class Rows8 {
                f_.approx_len, s.v.data());
     __m256 sum = _mm256_setzero_ps();
     const __m256 eps = _mm256_set1_ps(f_.eps);
-    for (int64_t j = 0; j < f_.approx_len; ++j) {
+    const Moments moments(f_);
+    const float *m_old = s.m.data(), *v_old = s.v.data(), *w = s.w.data();
+    for (int64_t j = 0, len = f_.approx_len; j < len; ++j) {
       __m256 m, v;
-      new_moments(load(s.m.data(), j), load(s.v.data(), j), load(s.w.data(), j), m, v);
+      moments.next(load(m_old, j), load(v_old, j), load(w, j), m, v);
       const __m256 normalized = _mm256_div_ps(m, _mm256_add_ps(_mm256_sqrt_ps(v), eps));
       sum = _mm256_fmadd_ps(normalized, normalized, sum);
     }
@@ -190,28 +192,30 @@ class Rows8 {
     interleave(v_rows, f_.approx_len, f_.approx_len, s.v.data());
     const __m256 eps = _mm256_set1_ps(f_.eps), lim8 = _mm256_set1_ps(lim);
     const __m256 one = _mm256_set1_ps(1.0f);
-    float* w = s.w.data();
-    for (int64_t j = 0; j < f_.approx_len; ++j) {
+    const Moments moments(f_);
+    // Locals, not s's or f_'s members, in every loop that stores (see analysis_interior).
+    float *w = s.w.data(), *m_new = s.m.data(), *v_new = s.v.data(), *inv_all = s.inv.data();
+    for (int64_t j = 0, len = f_.approx_len; j < len; ++j) {
       __m256 m, v;
-      new_moments(load(s.m.data(), j), load(s.v.data(), j), load(w, j), m, v);
-      store(s.m.data(), j, m);
-      store(s.v.data(), j, v);
+      moments.next(load(m_new, j), load(v_new, j), load(w, j), m, v);
+      store(m_new, j, m);
+      store(v_new, j, v);
       // One division per coefficient: the approximation too is multiplied by the reciprocal
       // (within an ulp of the quotient; the tests' bound counts a rounding more than either).
       const __m256 inv =
           _mm256_div_ps(one, _mm256_mul_ps(_mm256_add_ps(_mm256_sqrt_ps(v), eps), lim8));
       store(w, j, _mm256_mul_ps(m, inv));
-      store(s.inv.data(), j, inv);
+      store(inv_all, j, inv);
     }
-    deinterleave(s.m.data(), f_.approx_len, m_rows, f_.approx_len);
-    deinterleave(s.v.data(), f_.approx_len, v_rows, f_.approx_len);
+    deinterleave(m_new, f_.approx_len, m_rows, f_.approx_len);
+    deinterleave(v_new, f_.approx_len, v_rows, f_.approx_len);
     // Detail i of level l shares the denominator of approximation coefficient i >> (L - l), and
     // is multiplied by its reciprocal, as in the one-row kernel.
     for (int l = f_.level; l >= 1; --l) {
       float* d = w + f_.detail_offset[l] * k_lanes;
       const int shift = f_.level - l;
-      for (int64_t i = 0; i < f_.lengths[l]; ++i)
-        store(d, i, _mm256_mul_ps(load(d, i), load(s.inv.data(), i >> shift)));
+      for (int64_t i = 0, len = f_.lengths[l]; i < len; ++i)
+        store(d, i, _mm256_mul_ps(load(d, i), load(inv_all, i >> shift)));
     }
     // IDWT cascade, coarsest first; an approximation one longer than its detail loses its last
     // sample (PyWavelets' waverec). The last level's samples go into s.x (the gradient's
@@ -240,12 +244,19 @@ class Rows8 {
     return Prefetcher(static_cast<const float*>(data) + r0 * a_.n, a_.n * 4, a_.n * 4, 8);
   }
 
-  void new_moments(__m256 m_old, __m256 v_old, __m256 x, __m256& m, __m256& v) const {
-    const __m256 b1 = _mm256_set1_ps(f_.beta1), b2 = _mm256_set1_ps(f_.beta2);
-    const __m256 c1 = _mm256_set1_ps(f_.one_minus_beta1), c2 = _mm256_set1_ps(f_.one_minus_beta2);
-    m = _mm256_fmadd_ps(b1, m_old, _mm256_mul_ps(c1, x));
-    v = _mm256_fmadd_ps(b2, v_old, _mm256_mul_ps(_mm256_mul_ps(c2, x), x));
-  }
+  // Adam's moment update, its four constants broadcast once per loop (a local of the loop).
+  struct Moments {
+    explicit Moments(const row::RowPlan<float>& f)
+        : b1(_mm256_set1_ps(f.beta1)),
+          b2(_mm256_set1_ps(f.beta2)),
+          c1(_mm256_set1_ps(f.one_minus_beta1)),
+          c2(_mm256_set1_ps(f.one_minus_beta2)) {}
+    void next(__m256 m_old, __m256 v_old, __m256 x, __m256& m, __m256& v) const {
+      m = _mm256_fmadd_ps(b1, m_old, _mm256_mul_ps(c1, x));
+      v = _mm256_fmadd_ps(b2, v_old, _mm256_mul_ps(_mm256_mul_ps(c2, x), x));
+    }
+    __m256 b1, b2, c1, c2;
+  };
 
   // The DWT cascade of the group's gradient rows into s.w ([A_L | D_L | ... | D_1], interleaved);
   // Details = false: the approximations only, A_L into s.w[0, approx_len).
@@ -288,23 +299,38 @@ class Rows8 {
     with_taps(f_.taps, [&](auto taps) {
       constexpr int F = decltype(taps)::value;
       if constexpr (F > 0) {
-        for (int64_t o = first; o < last; ++o) {
-          if (ahead != nullptr) ahead->next();
-          const float* window = x + (2 * o + offset) * k_lanes;
-          __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-          for (int k = 0; k < F; ++k) {
-            const __m256 value = _mm256_loadu_ps(window + k * k_lanes);
-            lo = _mm256_fmadd_ps(rec_lo_[k], value, lo);
-            if constexpr (Details) hi = _mm256_fmadd_ps(rec_hi_[k], value, hi);
-          }
-          store(approx, o, lo);
-          if constexpr (Details) store(detail, o, hi);
-        }
+        analysis_interior<F, Details>(x, offset, first, last, approx, detail, ahead);
       } else {
         for (int64_t o = first; o < last; ++o) edge(o);
       }
     });
     for (int64_t o = last; o < len; ++o) edge(o);
+  }
+
+  // Interior outputs [first, last) of one analysis level, every tap inside the row. Pointers, taps
+  // and the prefetcher's position are locals of this function: the stores go through __m256_u,
+  // which may alias anything, so whatever the loop read through `this`, a reference or a lambda's
+  // capture would be loaded again after every store (measured with callgrind: 45 instructions per
+  // output of db2, where its multiply-adds, loads and stores are 14).
+  template <int F, bool Details>
+  void analysis_interior(const float* x, int64_t offset, int64_t first, int64_t last, float* approx,
+                         float* detail, Prefetcher* ahead) const {
+    __m256 lo_taps[F], hi_taps[F];
+    for (int k = 0; k < F; ++k) lo_taps[k] = rec_lo_[k], hi_taps[k] = rec_hi_[k];
+    Prefetcher prefetch = ahead != nullptr ? *ahead : Prefetcher();
+    for (int64_t o = first; o < last; ++o) {
+      prefetch.next();
+      const float* window = x + (2 * o + offset) * k_lanes;
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int k = 0; k < F; ++k) {
+        const __m256 value = _mm256_loadu_ps(window + k * k_lanes);
+        lo = _mm256_fmadd_ps(lo_taps[k], value, lo);
+        if constexpr (Details) hi = _mm256_fmadd_ps(hi_taps[k], value, hi);
+      }
+      store(approx, o, lo);
+      if constexpr (Details) store(detail, o, hi);
+    }
+    if (ahead != nullptr) *ahead = prefetch;
   }
 
   // One synthesis level from len coefficients each: pairs [0, count), out[2m], out[2m + 1] =
@@ -354,8 +380,11 @@ class Rows8 {
     constexpr int phase = Periodic ? F / 2 : 1;
     constexpr int q_lo = Periodic ? -((F / 2 + 1) / 2) : 0;
     constexpr int q_hi = Periodic ? (F / 2 + 1) / 2 : F / 2 - 1;
+    __m256 lo[F], hi[F];  // locals, as in analysis_interior
+    for (int k = 0; k < F; ++k) lo[k] = dec_lo_[k], hi[k] = dec_hi_[k];
+    Prefetcher prefetch = ahead != nullptr ? *ahead : Prefetcher();
     for (int64_t m = first; m < last; ++m) {
-      if (ahead != nullptr) ahead->next();
+      prefetch.next();
       __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
       for (int q = q_lo; q <= q_hi; ++q) {
         const __m256 av = load(a, m + q), dv = load(d, m + q);
@@ -363,13 +392,13 @@ class Rows8 {
         // Two multiply-adds per tap pair (the one-row kernel adds lo a + hi d as one term; the
         // same terms, another rounding order, within the tests' bound).
         if (je >= 0 && je < F)
-          even = _mm256_fmadd_ps(dec_hi_[je], dv, _mm256_fmadd_ps(dec_lo_[je], av, even));
-        if (jo >= 0 && jo < F)
-          odd = _mm256_fmadd_ps(dec_hi_[jo], dv, _mm256_fmadd_ps(dec_lo_[jo], av, odd));
+          even = _mm256_fmadd_ps(hi[je], dv, _mm256_fmadd_ps(lo[je], av, even));
+        if (jo >= 0 && jo < F) odd = _mm256_fmadd_ps(hi[jo], dv, _mm256_fmadd_ps(lo[jo], av, odd));
       }
       store(out, 2 * m, even);
       store(out, 2 * m + 1, odd);
     }
+    if (ahead != nullptr) *ahead = prefetch;
   }
 
   // p <- x + keep x with x = p - step_size * sample, for the group's rows; samples interleaved.
