@@ -3,13 +3,15 @@
 // a round alike. The ratio to at::_fused_adam_ is taken within each round, and the table reports
 // the median over rounds with the range.
 //
-//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4] [--floors 0|1]
+//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4,5] [--floors 0|1]
 //
 // --floors 1 (the default) adds three memory floors to workloads 0-2: loops that move a step's
 // bytes with next to no arithmetic (see FloorBuffers).
 //
 // Workloads as in gwt_bench_step (benchmarks/workloads.h): 0 llama60m, 1 4096x4096,
-// 2 500x(64x64+64), 4 the main job's model (tiny preset). On workload 4 the variants are those of
+// 2 500x(64x64+64), 4 the main job's model (tiny preset), 5 llama60m in bfloat16 (parameters and
+// gradients; at::_fused_adam_ keeps its moments in bfloat16 too, WaveletAdam in float32 unless
+// state_dtype says bfloat16). On workload 4 the variants are those of
 // the main job's table: torch::optim::AdamW against WaveletAdam with the paper's groups (linear
 // weights of the blocks on the wavelet path, everything else dense), so that the optimizers' share
 // of its ms / step is measured without the forward and backward passes' run-to-run noise.
@@ -60,7 +62,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   int64_t rounds = 30;
-  std::vector<int> workloads = {0, 1, 2, 4};
+  std::vector<int> workloads = {0, 1, 2, 4, 5};
   bool floors = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
@@ -78,7 +80,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const char* names[] = {"llama60m", "4096x4096", "500x(64x64+64)", "", "train_lm tiny"};
+  const char* names[] = {"llama60m", "4096x4096",     "500x(64x64+64)",
+                         "",         "train_lm tiny", "llama60m bf16"};
   std::printf(
       "| workload | variant | median ms / step | vs `at::_fused_adam_` (median of rounds) | "
       "range over rounds |\n|---|---|---:|---:|---:|\n");
@@ -91,7 +94,7 @@ int main(int argc, char** argv) {
       for (const auto& x : params) {
         p.push_back(x.detach()), g.push_back(x.grad());
         m.push_back(at::zeros_like(x)), v.push_back(at::zeros_like(x));
-        steps.push_back(at::zeros({}, x.options()));
+        steps.push_back(at::zeros({}, x.options().dtype(at::kFloat)));  // float steps, as torch
       }
       variants.push_back({"`at::_fused_adam_`",
                           [p, g, m, v, steps]() mutable {
@@ -130,6 +133,20 @@ int main(int argc, char** argv) {
         add("WaveletAdam " + wavelet + " L=" + std::to_string(level) + ", paper groups",
             std::move(opt));
       }
+    } else if (which == 5) {  // bfloat16 parameters
+      add("`torch::optim::Adam`",
+          std::make_unique<torch::optim::Adam>(gwt_bench::make_workload(which),
+                                               torch::optim::AdamOptions(1e-3)));
+      add("WaveletAdam haar L=2",
+          wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_step"));
+      add("WaveletAdam haar L=2, state bfloat16",
+          std::make_unique<gwt::WaveletAdam>(
+              gwt_bench::make_workload(which),
+              gwt::WaveletAdamOptions(1e-3).wavelet("haar").level(2).state_dtype("bfloat16")));
+      add("WaveletAdam haar L=2, skip_param",
+          wavelet(gwt_bench::make_workload(which), "haar", 2, "1d", "skip_param"));
+      add("WaveletAdam db2 L=2",
+          wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
     } else {
       add("`torch::optim::Adam`",
           std::make_unique<torch::optim::Adam>(gwt_bench::make_workload(which),

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -17,6 +18,13 @@
 #include "gwt/gwt.h"
 #include "gwt/kernels.h"
 #include "test_util.h"
+
+#ifdef GWT_TEST_BF16_AVX2_PROBE
+namespace gwt_test {
+void bf16_round_avx2(const float* in, uint16_t* out, size_t n);  // tests/bf16_avx2_probe.cpp
+void bf16_widen_avx2(const uint16_t* in, float* out, size_t n);
+}  // namespace gwt_test
+#endif
 
 namespace {
 
@@ -304,6 +312,56 @@ TEST(Fused, BFloat16StateHalvesTheStateAndStaysWithinTheRoundingBound) {
   p.mutable_grad() = at::randn({64, 64});
   opt.step();
   EXPECT_EQ(opt.state_bytes(p), 2 * 64 * 16 * 2 + 4);  // bf16 moments + float limiter norm
+}
+
+// The AVX2 Haar loops store bfloat16 parameters and moments through bf16_avx2.h's rounding, the
+// plain loops (and the reference) through c10::BFloat16(float): the two must agree bit for bit on
+// every float, or the same step would round differently by CPU. Every bfloat16 widens; every upper
+// half of a float rounds with the lower halves that decide it (0, 1, just below the tie, the tie,
+// just above, the largest) and 58 pseudo-random ones: 4.2M floats, every NaN and infinity pattern's
+// upper half included.
+TEST(KernelSimd, BFloat16ConversionsAreC10s) {
+#ifndef GWT_TEST_BF16_AVX2_PROBE
+  GTEST_SKIP() << "not an x86-64 build: no AVX2 conversions to check";
+#else
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
+  std::vector<uint16_t> every(65536);
+  for (uint32_t u = 0; u < 65536; ++u) every[u] = static_cast<uint16_t>(u);
+  std::vector<float> widened(every.size());
+  gwt_test::bf16_widen_avx2(every.data(), widened.data(), every.size());
+  int64_t widen_mismatches = 0;
+  for (uint32_t u = 0; u < 65536; ++u) {
+    const float expected = c10::BFloat16(every[u], c10::BFloat16::from_bits());
+    widen_mismatches += std::memcmp(&expected, &widened[u], sizeof(float)) != 0;
+  }
+  EXPECT_EQ(widen_mismatches, 0);
+
+  const uint32_t deciding_lows[] = {0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF};
+  std::vector<float> floats;
+  floats.reserve(65536 * 64);
+  auto push = [&floats](uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    floats.push_back(f);
+  };
+  uint32_t lcg = 20261205;
+  for (uint32_t high = 0; high < 65536; ++high) {
+    for (uint32_t low : deciding_lows) push(high << 16 | low);
+    for (int k = 0; k < 58; ++k) {
+      lcg = lcg * 1664525u + 1013904223u;
+      push(high << 16 | lcg >> 16);
+    }
+  }
+  std::vector<uint16_t> rounded(floats.size());
+  gwt_test::bf16_round_avx2(floats.data(), rounded.data(), floats.size());
+  int64_t round_mismatches = 0;
+  uint32_t first_mismatch = 0;
+  for (size_t i = 0; i < floats.size(); ++i) {
+    if (c10::BFloat16(floats[i]).x == rounded[i]) continue;
+    if (round_mismatches++ == 0) std::memcpy(&first_mismatch, &floats[i], sizeof first_mismatch);
+  }
+  EXPECT_EQ(round_mismatches, 0) << "first at float bits 0x" << std::hex << first_mismatch;
+#endif
 }
 
 TEST(Fused, ResultsDoNotDependOnTheThreadCount) {

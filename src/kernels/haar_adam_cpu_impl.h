@@ -40,10 +40,12 @@ class HaarAdam {
  public:
   using acc_t = Acc;
 #ifdef GWT_HAAR_SIMD
-  // float parameters, gradients and moments at level 1..3 take the AVX2 loops (haar_simd_avx2.h).
-  static constexpr bool k_simd = std::is_same_v<P, float> && std::is_same_v<G, float> &&
-                                 std::is_same_v<S, float> && std::is_same_v<Acc, float> &&
-                                 (B == 2 || B == 4 || B == 8);
+  // float or bfloat16 parameters, gradients and moments, math in float, at level 1..3 take the
+  // AVX2 loops (haar_simd_avx2.h).
+  template <typename T>
+  static constexpr bool k_simd_type = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+  static constexpr bool k_simd = k_simd_type<P> && k_simd_type<G> && k_simd_type<S> &&
+                                 std::is_same_v<Acc, float> && (B == 2 || B == 4 || B == 8);
 #else
   static constexpr bool k_simd = false;
 #endif
@@ -60,8 +62,9 @@ class HaarAdam {
         // Threads only for work that pays for a parallel region (a few microseconds each): about
         // 32K elements per chunk, as ATen's own grain. Results do not depend on it (fixed tiles).
         grain_(std::max<int64_t>(
-            1, k_parallel_grain / std::max<int64_t>(1, args.rows * args.n /
-                                                           std::max<int64_t>(1, state_rows_ * tiles_per_row_)))) {}
+            1, k_parallel_grain /
+                   std::max<int64_t>(1, args.rows * args.n /
+                                            std::max<int64_t>(1, state_rows_ * tiles_per_row_)))) {}
 
   // Norm pass over all tiles: fixed tiles, summed in order.
   double norm_sq() const {
@@ -155,7 +158,7 @@ class HaarAdam {
 #ifdef GWT_HAAR_SIMD
     if constexpr (k_simd) {
       if (from > 0) {
-        const float* g = static_cast<const float*>(a_.grad) + tl.element_row * a_.n + tl.first * B;
+        const G* g = static_cast<const G*>(a_.grad) + tl.element_row * a_.n + tl.first * B;
         sum = tl.height == 1 ? simd::norm_sq<B>(simd_constants(), g, m, v, from)
                              : simd::norm_sq_by_rows<B>(simd_constants(), g, a_.n, tl.height, m, v,
                                                         from, approx);

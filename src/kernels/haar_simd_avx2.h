@@ -1,16 +1,20 @@
 #pragma once
 
-// AVX2/FMA building blocks of the fused Haar kernel for float parameters and float moments, 8
-// approximation coefficients (8 blocks of B = 2^level elements, level 1..3, in one row or, for the
-// 2-D transform, in B rows) at a time. Compiled
-// only into the AVX2 build of the body (haar_adam_cpu_avx2.cpp); the baseline build and every
-// other type keep the plain loops of haar_adam_cpu_impl.h, which the tests compare against.
+// AVX2/FMA building blocks of the fused Haar kernel, 8 approximation coefficients (8 blocks of
+// B = 2^level elements, level 1..3, in one row or, for the 2-D transform, in B rows) at a time.
+// Parameters, gradients and moments may each be float or bfloat16 (math in float: bfloat16 is
+// widened on load and rounded as c10 rounds it on store, load8/store8). Compiled only into the
+// AVX2 build of the body (haar_adam_cpu_avx2.cpp); the baseline build and every other type keep
+// the plain loops of haar_adam_cpu_impl.h, which the tests compare against.
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define GWT_HAAR_SIMD 1
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <cstdint>
+
+#include "bf16_avx2.h"
 
 #ifndef GWT_HAAR_AHEAD
 #define GWT_HAAR_AHEAD 1024
@@ -21,33 +25,42 @@ namespace kernels {
 namespace {
 namespace simd {
 
-/// Sums of 8 consecutive blocks of B floats starting at g: lane j holds block j.
-template <int B>
-inline __m256 block_sums8(const float* g);
-
-template <>
-inline __m256 block_sums8<2>(const float* g) {
-  const __m256 h = _mm256_hadd_ps(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 8));
-  // h = [b0 b1 b4 b5 | b2 b3 b6 b7] in 64-bit pairs (b0,b1) (b4,b5) (b2,b3) (b6,b7).
-  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xD8));
+/// 8 values at x, as floats (bfloat16 widened exactly), and 8 floats stored in x's type (bfloat16
+/// rounded exactly as c10::BFloat16(float) rounds: bf16_avx2.h).
+inline __m256 load8(const float* x) {
+  return _mm256_loadu_ps(x);
+}
+inline __m256 load8(const c10::BFloat16* x) {
+  return bf16::load8(reinterpret_cast<const uint16_t*>(x));
+}
+inline void store8(float* x, __m256 v) {
+  _mm256_storeu_ps(x, v);
+}
+inline void store8(c10::BFloat16* x, __m256 v) {
+  bf16::store8(reinterpret_cast<uint16_t*>(x), v);
 }
 
-template <>
-inline __m256 block_sums8<4>(const float* g) {
-  const __m256 h1 = _mm256_hadd_ps(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 8));
-  const __m256 h2 = _mm256_hadd_ps(_mm256_loadu_ps(g + 16), _mm256_loadu_ps(g + 24));
-  const __m256 h = _mm256_hadd_ps(h1, h2);  // [b0 b2 b4 b6 | b1 b3 b5 b7]
-  return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-template <>
-inline __m256 block_sums8<8>(const float* g) {
-  // Two rounds of hadd leave each block's two half sums in the two 128-bit lanes.
-  const __m256 p = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 8)),
-                                  _mm256_hadd_ps(_mm256_loadu_ps(g + 16), _mm256_loadu_ps(g + 24)));
-  const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_loadu_ps(g + 32), _mm256_loadu_ps(g + 40)),
-                                  _mm256_hadd_ps(_mm256_loadu_ps(g + 48), _mm256_loadu_ps(g + 56)));
-  return _mm256_add_ps(_mm256_permute2f128_ps(p, q, 0x20), _mm256_permute2f128_ps(p, q, 0x31));
+/// Sums of 8 consecutive blocks of B values starting at g: lane j holds block j.
+template <int B, typename T>
+inline __m256 block_sums8(const T* g) {
+  static_assert(B == 2 || B == 4 || B == 8, "blocks of 2, 4 or 8 values");
+  if constexpr (B == 2) {
+    const __m256 h = _mm256_hadd_ps(load8(g), load8(g + 8));
+    // h = [b0 b1 b4 b5 | b2 b3 b6 b7] in 64-bit pairs (b0,b1) (b4,b5) (b2,b3) (b6,b7).
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xD8));
+  } else if constexpr (B == 4) {
+    const __m256 h1 = _mm256_hadd_ps(load8(g), load8(g + 8));
+    const __m256 h2 = _mm256_hadd_ps(load8(g + 16), load8(g + 24));
+    const __m256 h = _mm256_hadd_ps(h1, h2);  // [b0 b2 b4 b6 | b1 b3 b5 b7]
+    return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  } else {
+    // Two rounds of hadd leave each block's two half sums in the two 128-bit lanes.
+    const __m256 p = _mm256_hadd_ps(_mm256_hadd_ps(load8(g), load8(g + 8)),
+                                    _mm256_hadd_ps(load8(g + 16), load8(g + 24)));
+    const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(load8(g + 32), load8(g + 40)),
+                                    _mm256_hadd_ps(load8(g + 48), load8(g + 56)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(p, q, 0x20), _mm256_permute2f128_ps(p, q, 0x31));
+  }
 }
 
 /// Lane i of the k-th group of 8 elements covered by 8 coefficients belongs to coefficient
@@ -75,22 +88,27 @@ struct StepConstants {
 /// New moments and denominators of 8 coefficients with approximations a.
 struct Moments8 {
   __m256 m, v, denom;
-  Moments8(const StepConstants& c, const float* m_old, const float* v_old, __m256 a) {
-    m = _mm256_fmadd_ps(c.b1, _mm256_loadu_ps(m_old), _mm256_mul_ps(c.c1, a));
-    v = _mm256_fmadd_ps(c.b2, _mm256_loadu_ps(v_old), _mm256_mul_ps(c.c2, _mm256_mul_ps(a, a)));
+  template <typename S>
+  Moments8(const StepConstants& c, const S* m_old, const S* v_old, __m256 a) {
+    m = _mm256_fmadd_ps(c.b1, load8(m_old), _mm256_mul_ps(c.c1, a));
+    v = _mm256_fmadd_ps(c.b2, load8(v_old), _mm256_mul_ps(c.c2, _mm256_mul_ps(a, a)));
     denom = _mm256_add_ps(_mm256_sqrt_ps(v), c.eps);
   }
 };
 
-/// Software prefetch of the 64-byte line k_ahead floats past x (into L1). A core
+/// Software prefetch of the 64-byte line k_ahead floats' bytes past x (into L1). A core
 /// of the machines measured keeps too few DRAM misses in flight for the hardware prefetchers
 /// alone to stream at the memory's speed (on one thread the Haar step moved 22 bytes per parameter
 /// more slowly than at::_fused_adam_ moved 28); requests a few KB ahead raise the misses in
 /// flight. Prefetching past the end of an array is harmless (a prefetch never faults).
 constexpr int64_t k_ahead = GWT_HAAR_AHEAD;
-inline void prefetch_line(const float* x) {
-  _mm_prefetch(reinterpret_cast<const char*>(x + k_ahead), _MM_HINT_T0);
+template <typename T>
+inline void prefetch_line(const T* x) {
+  _mm_prefetch(reinterpret_cast<const char*>(x) + k_ahead * sizeof(float), _MM_HINT_T0);
 }
+/// Values of type T per 64-byte line: the loops prefetch one line per that many values.
+template <typename T>
+constexpr int k_per_line = static_cast<int>(64 / sizeof(T));
 
 /// Sum of the 8 lanes, in a fixed order.
 inline float lane_sum(__m256 x) {
@@ -101,25 +119,22 @@ inline float lane_sum(__m256 x) {
 
 /// p <- x + keep * x,  x = p - f * (g + s), over the 8 blocks (8 * B elements of one row) whose
 /// factors and shifts are the lanes of factor and shift.
-template <int B>
-inline void update_elements8(const float* g, float* p, __m256 factor, __m256 shift, __m256 keep) {
+template <int B, typename G, typename P>
+inline void update_elements8(const G* g, P* p, __m256 factor, __m256 shift, __m256 keep) {
   for (int k = 0; k < B; ++k) {
     const __m256i idx = spread<B>(k);
-    const __m256 gs =
-        _mm256_add_ps(_mm256_loadu_ps(g + 8 * k), _mm256_permutevar8x32_ps(shift, idx));
-    const __m256 x =
-        _mm256_fnmadd_ps(_mm256_permutevar8x32_ps(factor, idx), gs, _mm256_loadu_ps(p + 8 * k));
-    _mm256_storeu_ps(p + 8 * k, _mm256_fmadd_ps(keep, x, x));
+    const __m256 gs = _mm256_add_ps(load8(g + 8 * k), _mm256_permutevar8x32_ps(shift, idx));
+    const __m256 x = _mm256_fnmadd_ps(_mm256_permutevar8x32_ps(factor, idx), gs, load8(p + 8 * k));
+    store8(p + 8 * k, _mm256_fmadd_ps(keep, x, x));
   }
 }
 
 /// Norm pass over `count` (a multiple of 8) coefficients of one row: sum of (m' / denom)^2.
-template <int B>
-inline float norm_sq(const StepConstants& c, const float* g, const float* m, const float* v,
-                     int64_t count) {
+template <int B, typename G, typename S>
+inline float norm_sq(const StepConstants& c, const G* g, const S* m, const S* v, int64_t count) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; j += 8) {
-    for (int e = 0; e < 8 * B; e += 16) prefetch_line(g + j * B + e);
+    for (int e = 0; e < 8 * B; e += k_per_line<G>) prefetch_line(g + j * B + e);
     const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
     const Moments8 mv(c, m + j, v + j, a);
     const __m256 normalized = _mm256_div_ps(mv.m, mv.denom);
@@ -131,17 +146,18 @@ inline float norm_sq(const StepConstants& c, const float* g, const float* m, con
 /// Update pass over `count` (a multiple of 8) coefficients of one row and their count * B
 /// elements: m, v <- m', v';  p <- x + keep * x  with  x = p - step / (denom lim) * (g + (m' - A)
 /// scale).
-template <int B>
-inline void update(const StepConstants& c, const float* g, float* p, float* m, float* v,
-                   int64_t count, float step, float lim, float keep) {
+template <int B, typename G, typename P, typename S>
+inline void update(const StepConstants& c, const G* g, P* p, S* m, S* v, int64_t count, float step,
+                   float lim, float keep) {
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
   for (int64_t j = 0; j < count; j += 8) {
-    for (int e = 0; e < 8 * B; e += 16) prefetch_line(g + j * B + e), prefetch_line(p + j * B + e);
+    for (int e = 0; e < 8 * B; e += k_per_line<G>) prefetch_line(g + j * B + e);
+    for (int e = 0; e < 8 * B; e += k_per_line<P>) prefetch_line(p + j * B + e);
     const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
     const Moments8 mv(c, m + j, v + j, a);
-    _mm256_storeu_ps(m + j, mv.m);
-    _mm256_storeu_ps(v + j, mv.v);
+    store8(m + j, mv.m);
+    store8(v + j, mv.v);
     const __m256 factor = _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v));
     const __m256 shift = _mm256_mul_ps(_mm256_sub_ps(mv.m, a), c.scale);
     update_elements8<B>(g + j * B, p + j * B, factor, shift, keep_v);
@@ -153,16 +169,16 @@ inline void update(const StepConstants& c, const float* g, float* p, float* m, f
 // tile's coefficients (count <= 512, a multiple of 8) in the caller's L1-sized arrays.
 
 /// a[j] = (sum of block j over the rows) * scale, row after row.
-template <int B>
-inline void approx_by_rows(const StepConstants& c, const float* g, int64_t stride, int64_t height,
+template <int B, typename G>
+inline void approx_by_rows(const StepConstants& c, const G* g, int64_t stride, int64_t height,
                            int64_t count, float* a) {
   for (int64_t j = 0; j < count; j += 8) {
-    for (int e = 0; e < 8 * B; e += 16) prefetch_line(g + j * B + e);
+    for (int e = 0; e < 8 * B; e += k_per_line<G>) prefetch_line(g + j * B + e);
     _mm256_storeu_ps(a + j, block_sums8<B>(g + j * B));
   }
   for (int64_t r = 1; r < height; ++r)
     for (int64_t j = 0; j < count; j += 8) {
-      for (int e = 0; e < 8 * B; e += 16) prefetch_line(g + r * stride + j * B + e);
+      for (int e = 0; e < 8 * B; e += k_per_line<G>) prefetch_line(g + r * stride + j * B + e);
       _mm256_storeu_ps(
           a + j, _mm256_add_ps(_mm256_loadu_ps(a + j), block_sums8<B>(g + r * stride + j * B)));
     }
@@ -170,9 +186,9 @@ inline void approx_by_rows(const StepConstants& c, const float* g, int64_t strid
     _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_loadu_ps(a + j), c.scale));
 }
 
-template <int B>
-inline float norm_sq_by_rows(const StepConstants& c, const float* g, int64_t stride, int64_t height,
-                             const float* m, const float* v, int64_t count, float* a) {
+template <int B, typename G, typename S>
+inline float norm_sq_by_rows(const StepConstants& c, const G* g, int64_t stride, int64_t height,
+                             const S* m, const S* v, int64_t count, float* a) {
   approx_by_rows<B>(c, g, stride, height, count, a);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; j += 8) {
@@ -184,24 +200,24 @@ inline float norm_sq_by_rows(const StepConstants& c, const float* g, int64_t str
 }
 
 /// As update(), the blocks' factors and shifts first (into a and factor), then row after row.
-template <int B>
-inline void update_by_rows(const StepConstants& c, const float* g, float* p, int64_t stride,
-                           int64_t height, float* m, float* v, int64_t count, float step, float lim,
-                           float keep, float* a, float* factor) {
+template <int B, typename G, typename P, typename S>
+inline void update_by_rows(const StepConstants& c, const G* g, P* p, int64_t stride, int64_t height,
+                           S* m, S* v, int64_t count, float step, float lim, float keep, float* a,
+                           float* factor) {
   approx_by_rows<B>(c, g, stride, height, count, a);
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
   for (int64_t j = 0; j < count; j += 8) {
     const __m256 aj = _mm256_loadu_ps(a + j);
     const Moments8 mv(c, m + j, v + j, aj);
-    _mm256_storeu_ps(m + j, mv.m);
-    _mm256_storeu_ps(v + j, mv.v);
+    store8(m + j, mv.m);
+    store8(v + j, mv.v);
     _mm256_storeu_ps(factor + j, _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v)));
     _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_sub_ps(mv.m, aj), c.scale));  // the shift
   }
   for (int64_t r = 0; r < height; ++r)
     for (int64_t j = 0; j < count; j += 8) {
-      for (int e = 0; e < 8 * B; e += 16) prefetch_line(p + r * stride + j * B + e);
+      for (int e = 0; e < 8 * B; e += k_per_line<P>) prefetch_line(p + r * stride + j * B + e);
       update_elements8<B>(g + r * stride + j * B, p + r * stride + j * B,
                           _mm256_loadu_ps(factor + j), _mm256_loadu_ps(a + j), keep_v);
     }
