@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -251,6 +252,49 @@ TEST(Fused, ThresholdedDetailsMatchTheReference) {
       }
       EXPECT_GT(fused.opt->kept_details().first, 0);
     }
+}
+
+// The eight-lane body reads bfloat16 parameters, gradients and moments by widening them exactly and
+// stores them by rounding the float it computed: its float operations are those of a float32 step
+// on the same values, instruction for instruction. So one step from bfloat16 values (moments zero)
+// must give the float32 step's result rounded, bit for bit: the parameters for bfloat16
+// parameters, the moments for bfloat16 state (whose parameters must equal the float32 run's, the
+// update using the moments before they are stored). Row counts are multiples of 8, so every row
+// takes that body; a machine without it (no AVX2, or GWT_NO_AVX2 / GWT_NO_ROWS8 set) skips.
+TEST(Fused, GeneralKernelRowGroupsInBFloat16AreTheFloat32StepRounded) {
+  const char* no_avx2 = std::getenv("GWT_NO_AVX2");
+  const char* no_rows8 = std::getenv("GWT_NO_ROWS8");
+  auto set = [](const char* v) { return v != nullptr && *v != '\0' && std::string(v) != "0"; };
+#if defined(__x86_64__)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  const bool avx2 = false;
+#endif
+  if (!avx2 || set(no_avx2) || set(no_rows8)) GTEST_SKIP() << "the eight-lane body does not run";
+  for (const std::string wavelet : {"db2", "sym5"})
+    for (const std::string boundary : {"zero", "symmetric", "periodization"})
+      for (const std::vector<int64_t>& shape :
+           {std::vector<int64_t>{8, 37}, {16, 100}, {24, 130}}) {
+        const std::string what = wavelet + " " + boundary + " " + c10::str(at::IntArrayRef(shape));
+        const auto o = base_options().wavelet(wavelet).boundary(boundary).level(2);
+        // Values a bfloat16 holds exactly, of one magnitude (no flush to zero anywhere).
+        const at::Tensor init = at::randn(shape, at::kDouble).to(at::kBFloat16).to(at::kDouble);
+        const at::Tensor g = at::randn(shape, at::kDouble).to(at::kBFloat16).to(at::kDouble);
+        OptRun f32 = make_run(init, at::kFloat, WaveletAdamOptions(o).fused(true));
+        OptRun bf16 = make_run(init, at::kBFloat16, WaveletAdamOptions(o).fused(true));
+        OptRun bf16_state =
+            make_run(init, at::kFloat, WaveletAdamOptions(o).fused(true).state_dtype("bfloat16"));
+        step(f32, g), step(bf16, g), step(bf16_state, g);
+        EXPECT_TRUE(at::equal(bf16.param.detach(), f32.param.detach().to(at::kBFloat16))) << what;
+        EXPECT_TRUE(at::equal(state_of(bf16).exp_avg(), state_of(f32).exp_avg())) << what;
+        EXPECT_TRUE(at::equal(bf16_state.param.detach(), f32.param.detach())) << what;
+        EXPECT_TRUE(
+            at::equal(state_of(bf16_state).exp_avg(), state_of(f32).exp_avg().to(at::kBFloat16)))
+            << what;
+        EXPECT_TRUE(at::equal(state_of(bf16_state).exp_avg_sq(),
+                              state_of(f32).exp_avg_sq().to(at::kBFloat16)))
+            << what;
+      }
 }
 
 TEST(Fused, GeneralWaveletsInHalfPrecision) {

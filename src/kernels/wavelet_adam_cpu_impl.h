@@ -23,7 +23,8 @@
 #include "taps.h"
 #include "wavelet_row.h"
 
-// The AVX2 build steps float32 rows eight at a time, one per lane (wavelet_rows8_avx2.h).
+// The AVX2 build steps float32 or bfloat16 rows eight at a time, one per lane
+// (wavelet_rows8_avx2.h).
 #if defined(__AVX2__) && defined(__FMA__)
 #define GWT_WAVELET_ROWS8 1
 #include "wavelet_rows8_avx2.h"
@@ -138,8 +139,11 @@ class GeneralAdam {
 
  private:
 #ifdef GWT_WAVELET_ROWS8
-  static constexpr bool k_rows8 = std::is_same_v<P, float> && std::is_same_v<G, float> &&
-                                  std::is_same_v<S, float> && std::is_same_v<Acc, float>;
+  // float or bfloat16 parameters, gradients and moments, math in float.
+  template <typename T>
+  static constexpr bool k_rows8_type = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+  static constexpr bool k_rows8 =
+      k_rows8_type<P> && k_rows8_type<G> && k_rows8_type<S> && std::is_same_v<Acc, float>;
   // Scratch of the eight-lane body, one per thread, reused across steps and tensors.
   rows8::Scratch& group_scratch() const {
     thread_local rows8::Scratch scratch;
@@ -404,7 +408,7 @@ class GeneralAdam {
   std::vector<int64_t> detail_offset_;  // where D_l starts in a workspace row
   size_t scratch_len_;
 #ifdef GWT_WAVELET_ROWS8
-  std::optional<rows8::Rows8> body8_;  // the eight-lane body, where groups() > 0
+  std::optional<rows8::Rows8<P, G, S>> body8_;  // the eight-lane body, where groups() > 0
 #endif
 };
 

@@ -1,7 +1,9 @@
 #pragma once
 
-// The general WaveletAdam step of eight float32 rows at once, one row per AVX2 lane (issue 15,
-// item 2). Included by wavelet_adam_cpu_impl.h in the AVX2 build only (GWT_WAVELET_ROWS8).
+// The general WaveletAdam step of eight rows at once, one row per AVX2 lane (issue 15, item 2).
+// Parameters, gradients and moments are float32 or bfloat16, each on its own; the math is float32
+// (bfloat16 widened exactly on the way in, rounded as c10 rounds on the way out). Included by
+// wavelet_adam_cpu_impl.h in the AVX2 build only (GWT_WAVELET_ROWS8).
 //
 // Why across rows: along one row the analysis reads every second sample (a stride-2 window per
 // output), which AVX2 can only feed with a shuffle per tap pair, and the edges of every level run
@@ -16,6 +18,7 @@
 // conventions, taps in the same order), so each lane computes its row's result within rounding of
 // the one-row kernel; the tests hold both to the reference (tests/test_fused.cpp).
 
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16_avx2.h"
 #include "gwt/kernels.h"
 #include "gwt/wavelet.h"
 #include "taps.h"
@@ -61,30 +65,48 @@ inline void transpose8(__m256 r[8]) {
   r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-// out[8 i + l] = base[l * stride + i] for i in [0, len): eight rows into the interleaved layout.
-inline void interleave(const float* base, int64_t stride, int64_t len, float* out) {
+// 8 consecutive values of a row as floats (bfloat16 widened exactly), and 8 floats stored in the
+// row's type (bfloat16 rounded exactly as c10::BFloat16(float) rounds: bf16_avx2.h).
+inline __m256 load8(const float* x) {
+  return _mm256_loadu_ps(x);
+}
+inline __m256 load8(const c10::BFloat16* x) {
+  return bf16::load8(reinterpret_cast<const uint16_t*>(x));
+}
+inline void store8(float* x, __m256 v) {
+  _mm256_storeu_ps(x, v);
+}
+inline void store8(c10::BFloat16* x, __m256 v) {
+  bf16::store8(reinterpret_cast<uint16_t*>(x), v);
+}
+
+// out[8 i + l] = base[l * stride + i] for i in [0, len): eight rows (float or bfloat16) into the
+// interleaved layout, as floats.
+template <typename T>
+inline void interleave(const T* base, int64_t stride, int64_t len, float* out) {
   int64_t i = 0;
   for (; i + k_lanes <= len; i += k_lanes) {
     __m256 r[8];
-    for (int l = 0; l < 8; ++l) r[l] = _mm256_loadu_ps(base + l * stride + i);
+    for (int l = 0; l < 8; ++l) r[l] = load8(base + l * stride + i);
     transpose8(r);
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + (i + c) * k_lanes, r[c]);
   }
   for (; i < len; ++i)
-    for (int l = 0; l < 8; ++l) out[i * k_lanes + l] = base[l * stride + i];
+    for (int l = 0; l < 8; ++l) out[i * k_lanes + l] = static_cast<float>(base[l * stride + i]);
 }
 
-// base[l * stride + i] = in[8 i + l]: the interleaved layout back into eight rows.
-inline void deinterleave(const float* in, int64_t len, float* base, int64_t stride) {
+// base[l * stride + i] = in[8 i + l]: the interleaved layout back into eight rows of T.
+template <typename T>
+inline void deinterleave(const float* in, int64_t len, T* base, int64_t stride) {
   int64_t i = 0;
   for (; i + k_lanes <= len; i += k_lanes) {
     __m256 r[8];
     for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(in + (i + c) * k_lanes);
     transpose8(r);
-    for (int l = 0; l < 8; ++l) _mm256_storeu_ps(base + l * stride + i, r[l]);
+    for (int l = 0; l < 8; ++l) store8(base + l * stride + i, r[l]);
   }
   for (; i < len; ++i)
-    for (int l = 0; l < 8; ++l) base[l * stride + i] = in[i * k_lanes + l];
+    for (int l = 0; l < 8; ++l) base[l * stride + i] = static_cast<T>(in[i * k_lanes + l]);
 }
 
 inline __m256 load(const float* interleaved, int64_t i) {
@@ -145,9 +167,12 @@ class Prefetcher {
   int rows_left_ = 0;
 };
 
+// P, G, S: the parameters', gradients' and moments' types, each float or c10::BFloat16; the math
+// is in float.
+template <typename P, typename G, typename S>
 class Rows8 {
  public:
-  // f: the kernel's plan; the rows it reads are those of args (float everything, no threshold).
+  // f: the kernel's plan; the rows it reads are those of args (no threshold).
   Rows8(const WaveletAdamArgs& args, const row::RowPlan<float>& f) : a_(args), f_(f) {
     for (int k = 0; k < f.taps; ++k) {
       rec_lo_[k] = _mm256_set1_ps(f.rec_lo[k]), rec_hi_[k] = _mm256_set1_ps(f.rec_hi[k]);
@@ -159,11 +184,11 @@ class Rows8 {
   // l. next: first row of the group that follows on this thread (-1: none); its gradient is
   // prefetched.
   void norm_sq(int64_t r0, int64_t next, Scratch& s, double sums[8]) const {
-    Prefetcher grad_ahead = rows(a_.grad, next);
+    Prefetcher grad_ahead = rows(static_cast<const G*>(a_.grad), next);
     dwt<false>(r0, s, grad_ahead);
-    interleave(static_cast<const float*>(a_.exp_avg) + r0 * f_.approx_len, f_.approx_len,
-               f_.approx_len, s.m.data());
-    interleave(static_cast<const float*>(a_.exp_avg_sq) + r0 * f_.approx_len, f_.approx_len,
+    interleave(static_cast<const S*>(a_.exp_avg) + r0 * f_.approx_len, f_.approx_len, f_.approx_len,
+               s.m.data());
+    interleave(static_cast<const S*>(a_.exp_avg_sq) + r0 * f_.approx_len, f_.approx_len,
                f_.approx_len, s.v.data());
     __m256 sum = _mm256_setzero_ps();
     const __m256 eps = _mm256_set1_ps(f_.eps);
@@ -184,10 +209,11 @@ class Rows8 {
   void update(int64_t r0, int64_t next, float lim, Scratch& s) const {
     // This group's parameters while its analysis runs, the next group's gradient while its
     // synthesis runs.
-    Prefetcher params_ahead = rows(a_.param, r0), grad_ahead = rows(a_.grad, next);
+    Prefetcher params_ahead = rows(static_cast<const P*>(a_.param), r0);
+    Prefetcher grad_ahead = rows(static_cast<const G*>(a_.grad), next);
     dwt<true>(r0, s, params_ahead);
-    float* m_rows = static_cast<float*>(a_.exp_avg) + r0 * f_.approx_len;
-    float* v_rows = static_cast<float*>(a_.exp_avg_sq) + r0 * f_.approx_len;
+    S* m_rows = static_cast<S*>(a_.exp_avg) + r0 * f_.approx_len;
+    S* v_rows = static_cast<S*>(a_.exp_avg_sq) + r0 * f_.approx_len;
     interleave(m_rows, f_.approx_len, f_.approx_len, s.m.data());
     interleave(v_rows, f_.approx_len, f_.approx_len, s.v.data());
     const __m256 eps = _mm256_set1_ps(f_.eps), lim8 = _mm256_set1_ps(lim);
@@ -239,9 +265,11 @@ class Rows8 {
   }
 
  private:
-  Prefetcher rows(const void* data, int64_t r0) const {
+  template <typename T>
+  Prefetcher rows(const T* data, int64_t r0) const {
     if (r0 < 0) return Prefetcher();
-    return Prefetcher(static_cast<const float*>(data) + r0 * a_.n, a_.n * 4, a_.n * 4, 8);
+    const int64_t row_bytes = a_.n * static_cast<int64_t>(sizeof(T));
+    return Prefetcher(data + r0 * a_.n, row_bytes, row_bytes, 8);
   }
 
   // Adam's moment update, its four constants broadcast once per loop (a local of the loop).
@@ -262,7 +290,7 @@ class Rows8 {
   // Details = false: the approximations only, A_L into s.w[0, approx_len).
   template <bool Details>
   void dwt(int64_t r0, Scratch& s, Prefetcher& ahead) const {
-    interleave(static_cast<const float*>(a_.grad) + r0 * a_.n, a_.n, a_.n, s.x.data());
+    interleave(static_cast<const G*>(a_.grad) + r0 * a_.n, a_.n, a_.n, s.x.data());
     const float* in = s.x.data();
     float* w = s.w.data();
     for (int l = 1; l <= f_.level; ++l) {
@@ -403,7 +431,7 @@ class Rows8 {
 
   // p <- x + keep x with x = p - step_size * sample, for the group's rows; samples interleaved.
   void update_params(int64_t r0, const float* samples) const {
-    float* p = static_cast<float*>(a_.param) + r0 * a_.n;
+    P* p = static_cast<P*>(a_.param) + r0 * a_.n;
     const int64_t n = a_.n;
     const __m256 step = _mm256_set1_ps(f_.step_size), keep = _mm256_set1_ps(f_.keep);
     int64_t i = 0;
@@ -412,15 +440,15 @@ class Rows8 {
       for (int c = 0; c < 8; ++c) r[c] = load(samples, i + c);
       transpose8(r);  // r[l]: samples i..i+7 of row l
       for (int l = 0; l < 8; ++l) {
-        float* dst = p + l * n + i;
-        const __m256 x = _mm256_fnmadd_ps(step, r[l], _mm256_loadu_ps(dst));
-        _mm256_storeu_ps(dst, _mm256_fmadd_ps(keep, x, x));
+        P* dst = p + l * n + i;
+        const __m256 x = _mm256_fnmadd_ps(step, r[l], load8(dst));
+        store8(dst, _mm256_fmadd_ps(keep, x, x));
       }
     }
     for (; i < n; ++i)
       for (int l = 0; l < 8; ++l) {
-        const float x = p[l * n + i] - f_.step_size * samples[i * k_lanes + l];
-        p[l * n + i] = x + f_.keep * x;
+        const float x = static_cast<float>(p[l * n + i]) - f_.step_size * samples[i * k_lanes + l];
+        p[l * n + i] = static_cast<P>(x + f_.keep * x);
       }
   }
 
