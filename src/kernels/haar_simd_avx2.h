@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-#include "bf16_avx2.h"
+#include "values8_avx2.h"
 
 #ifndef GWT_HAAR_AHEAD
 #define GWT_HAAR_AHEAD 1024
@@ -25,20 +25,9 @@ namespace kernels {
 namespace {
 namespace simd {
 
-/// 8 values at x, as floats (bfloat16 widened exactly), and 8 floats stored in x's type (bfloat16
-/// rounded exactly as c10::BFloat16(float) rounds: bf16_avx2.h).
-inline __m256 load8(const float* x) {
-  return _mm256_loadu_ps(x);
-}
-inline __m256 load8(const c10::BFloat16* x) {
-  return bf16::load8(reinterpret_cast<const uint16_t*>(x));
-}
-inline void store8(float* x, __m256 v) {
-  _mm256_storeu_ps(x, v);
-}
-inline void store8(c10::BFloat16* x, __m256 v) {
-  bf16::store8(reinterpret_cast<uint16_t*>(x), v);
-}
+// 8 values at x as floats, and 8 floats stored in x's type (values8_avx2.h).
+using values8::load8;
+using values8::store8;
 
 /// Sums of 8 consecutive blocks of B values starting at g: lane j holds block j.
 template <int B, typename T>

@@ -28,10 +28,10 @@
 #include <string>
 #include <vector>
 
-#include "bf16_avx2.h"
 #include "gwt/kernels.h"
 #include "gwt/wavelet.h"
 #include "taps.h"
+#include "values8_avx2.h"
 #include "wavelet_row.h"
 
 namespace gwt {
@@ -65,20 +65,10 @@ inline void transpose8(__m256 r[8]) {
   r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-// 8 consecutive values of a row as floats (bfloat16 widened exactly), and 8 floats stored in the
-// row's type (bfloat16 rounded exactly as c10::BFloat16(float) rounds: bf16_avx2.h).
-inline __m256 load8(const float* x) {
-  return _mm256_loadu_ps(x);
-}
-inline __m256 load8(const c10::BFloat16* x) {
-  return bf16::load8(reinterpret_cast<const uint16_t*>(x));
-}
-inline void store8(float* x, __m256 v) {
-  _mm256_storeu_ps(x, v);
-}
-inline void store8(c10::BFloat16* x, __m256 v) {
-  bf16::store8(reinterpret_cast<uint16_t*>(x), v);
-}
+// 8 consecutive values of a row as floats, and 8 floats stored in the row's type
+// (values8_avx2.h).
+using values8::load8;
+using values8::store8;
 
 // out[8 i + l] = base[l * stride + i] for i in [0, len): eight rows (float or bfloat16) into the
 // interleaved layout, as floats.

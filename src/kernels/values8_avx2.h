@@ -1,0 +1,36 @@
+#pragma once
+
+// 8 consecutive values of float or c10::BFloat16 as floats in an AVX2 register, and back: the typed
+// loads and stores of the AVX2 kernels (haar_simd_avx2.h, wavelet_rows8_avx2.h). bfloat16 goes
+// through bf16_avx2.h: widened exactly, rounded as c10::BFloat16(float) rounds, bit for bit.
+// Only for translation units compiled with -mavx2.
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "bf16_avx2.h"
+
+namespace gwt {
+namespace kernels {
+namespace values8 {
+namespace {  // internal linkage: compiled for one instruction set only
+
+inline __m256 load8(const float* x) {
+  return _mm256_loadu_ps(x);
+}
+inline __m256 load8(const c10::BFloat16* x) {
+  return bf16::load8(reinterpret_cast<const uint16_t*>(x));
+}
+inline void store8(float* x, __m256 v) {
+  _mm256_storeu_ps(x, v);
+}
+inline void store8(c10::BFloat16* x, __m256 v) {
+  bf16::store8(reinterpret_cast<uint16_t*>(x), v);
+}
+
+}  // namespace
+}  // namespace values8
+}  // namespace kernels
+}  // namespace gwt
