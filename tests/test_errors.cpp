@@ -165,12 +165,44 @@ TEST(Errors, OptionProductsThatOverflowFloat64AreRejectedAtStepWithNothingChange
       const at::Tensor w0 = w.detach().clone();
       expect_error([&] { opt.step(); }, {"overflows float64", "Double parameter"});
       EXPECT_TRUE(at::equal(w, w0));
-      EXPECT_EQ(static_cast<const WaveletAdamParamState&>(
-                    *opt.state().at(w.unsafeGetTensorImpl()))
+      EXPECT_EQ(static_cast<const WaveletAdamParamState&>(*opt.state().at(w.unsafeGetTensorImpl()))
                     .step(),
                 1);
     }
   }
+}
+
+TEST(Errors, StepSizeOverEpsThatOverflowsTheMathIsRejectedAtStepWithNothingChanged) {
+  // Found by fuzz_step: lr 1e300 with eps 1e-10 on a float64 parameter (bfloat16 state, Haar) and a
+  // zero gradient: the fused step divides the step size by the denominator first, 3e309 overflowed
+  // to inf, and inf x 0 wrote NaN. The same for float32: lr 1e5 with eps 1e-35.
+  struct Case {
+    at::ScalarType dtype;
+    double lr, eps;
+    std::string math;
+  };
+  for (const Case& c : {Case{at::kDouble, 1e300, 1e-10, "overflows float64"},
+                        Case{at::kFloat, 1e5, 1e-35, "overflows float32"},
+                        Case{at::kBFloat16, 1e5, 1e-35, "overflows float32"}})
+    for (bool fused : {true, false})
+      for (const std::string wavelet : {"haar", "db2"}) {
+        at::Tensor w = at::full({5, 12}, -0.8, c.dtype).requires_grad_(true);
+        WaveletAdam opt({w}, WaveletAdamOptions(0.01).wavelet(wavelet).fused(fused));
+        w.mutable_grad() = at::zeros({5, 12}, c.dtype);
+        opt.step();
+        auto& o = static_cast<WaveletAdamOptions&>(opt.param_groups()[0].options());
+        o.lr(c.lr).eps(c.eps).state_dtype("bfloat16");
+        const at::Tensor w0 = w.detach().clone();
+        expect_error([&] { opt.step(); }, {c.math, "/ eps", "use a larger eps"});
+        EXPECT_TRUE(at::equal(w, w0));
+        EXPECT_EQ(
+            static_cast<const WaveletAdamParamState&>(*opt.state().at(w.unsafeGetTensorImpl()))
+                .step(),
+            1);
+        o.lr(0.01).eps(1e-6);  // a sound step still runs
+        opt.step();
+        EXPECT_TRUE(at::isfinite(w).all().item<bool>());
+      }
 }
 
 TEST(Errors, WideGradientThatOverflowsTheMathDtypeSkipsTheStepOnEveryPath) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <unordered_set>
 #include <utility>
@@ -84,6 +85,18 @@ void check_options_fit(const at::Tensor& param, const WaveletAdamOptions& o, int
                                    {"lr x weight_decay", o.lr() * o.weight_decay()},
                                    {"threshold", o.threshold()},
                                    {"norm_growth_limit", o.norm_growth_limit()}});
+  // The fused kernels divide the step size x scale by a denominator of at least eps before they
+  // multiply by the gradient's terms; where that quotient overflows, a zero gradient's update is
+  // inf x 0 = NaN (lr 1e300 with eps 1e-10 on a float64 parameter, found by fuzz_step). Half the
+  // math type's largest value leaves room for eps rounded to float32.
+  const bool f64 = optim_detail::compute_dtype(param) == at::kDouble;
+  const double max = f64 ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+  const double factor = std::max(std::abs(step_size), std::abs(step_size * o.scale())) / o.eps();
+  TORCH_CHECK(factor <= max / 2, "gwt::WaveletAdam: the step size (x scale) / eps = ", factor,
+              " overflows ", f64 ? "float64" : "float32", ", the dtype the update of a ",
+              param.scalar_type(), " parameter is computed in (the update divides the step size ",
+              "by its denominator, at least eps, first); it must be at most ", max / 2,
+              ": use a larger eps or a smaller lr or scale");
 }
 
 }  // namespace wavelet_adam_detail
@@ -494,9 +507,8 @@ void dense_update(const Work& work, WaveletAdamParamState& state, double step_si
   at::Tensor p = work.param;
   const at::Tensor& g = p.grad();
   if (p.scalar_type() == at::kDouble)
-    dense_update_cpu(p.data_ptr<double>(), g.data_ptr<double>(),
-                     state.exp_avg().data_ptr<double>(), state.exp_avg_sq().data_ptr<double>(),
-                     p.numel(), *work.options, step_size);
+    dense_update_cpu(p.data_ptr<double>(), g.data_ptr<double>(), state.exp_avg().data_ptr<double>(),
+                     state.exp_avg_sq().data_ptr<double>(), p.numel(), *work.options, step_size);
   else
     dense_update_cpu(p.data_ptr<float>(), g.data_ptr<float>(), state.exp_avg().data_ptr<float>(),
                      state.exp_avg_sq().data_ptr<float>(), p.numel(), *work.options, step_size);
@@ -593,7 +605,8 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
       auto it = state_.find(param.unsafeGetTensorImpl());
       check_options_fit(
           param, options,
-          (it == state_.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).step()) + 1);
+          (it == state_.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).step()) +
+              1);
       if (it != state_.end()) {
         const auto& state = static_cast<const WaveletAdamParamState&>(*it->second);
         check_state(state, param, plan);
@@ -709,8 +722,7 @@ std::pair<int64_t, int64_t> WaveletAdam::kept_details() const {
 
 int64_t WaveletAdam::skipped_steps(const at::Tensor& param) const {
   auto it = state_.find(param.unsafeGetTensorImpl());
-  return it == state_.end() ? 0
-                            : static_cast<const WaveletAdamParamState&>(*it->second).skipped();
+  return it == state_.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).skipped();
 }
 
 bool WaveletAdam::is_fused_param(const at::Tensor& param) const {
