@@ -292,8 +292,8 @@ class Rows8 {
   }
 
   // One analysis level: coefficient o = sum_k x~[2o + offset + k] rec[k] (x~ the extended row).
-  // ahead: lines to prefetch, one per interior output: eight rows of n floats are n / 2 lines,
-  // and level 1 has about n / 2 outputs.
+  // ahead: lines to prefetch, one per interior output: eight rows of n floats are n / 2 lines
+  // (n / 4 of bfloat16, which then finish early), and level 1 has about n / 2 outputs.
   template <bool Details>
   void dwt_level(const float* x, int64_t n, float* approx, float* detail, Prefetcher* ahead) const {
     const int64_t len = dwt_coeff_len(n, f_.taps, f_.mode);
