@@ -90,6 +90,12 @@ auto with_grad_types(const HaarAdamArgs& args, Fn&& fn) {
 
 /// Adam's moments of one coefficient after this step, in the math type and rounded to S as they
 /// will be stored, so that the limiter and the update see what the next step will read.
+/// Whether every type is float or bfloat16: the tensors the AVX2 bodies read and write
+/// (values8_avx2.h), with the math in float.
+template <typename... T>
+constexpr bool k_float_or_bf16 = ((std::is_same_v<T, float> ||
+                                   std::is_same_v<T, c10::BFloat16>)&&...);
+
 template <typename S, typename Acc>
 struct NewMoments {
   Acc m, v;

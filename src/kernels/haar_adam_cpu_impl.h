@@ -42,10 +42,8 @@ class HaarAdam {
 #ifdef GWT_HAAR_SIMD
   // float or bfloat16 parameters, gradients and moments, math in float, at level 1..3 take the
   // AVX2 loops (haar_simd_avx2.h).
-  template <typename T>
-  static constexpr bool k_simd_type = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
-  static constexpr bool k_simd = k_simd_type<P> && k_simd_type<G> && k_simd_type<S> &&
-                                 std::is_same_v<Acc, float> && (B == 2 || B == 4 || B == 8);
+  static constexpr bool k_simd =
+      k_float_or_bf16<P, G, S> && std::is_same_v<Acc, float> && (B == 2 || B == 4 || B == 8);
 #else
   static constexpr bool k_simd = false;
 #endif

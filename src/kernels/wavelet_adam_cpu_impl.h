@@ -140,10 +140,7 @@ class GeneralAdam {
  private:
 #ifdef GWT_WAVELET_ROWS8
   // float or bfloat16 parameters, gradients and moments, math in float.
-  template <typename T>
-  static constexpr bool k_rows8_type = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
-  static constexpr bool k_rows8 =
-      k_rows8_type<P> && k_rows8_type<G> && k_rows8_type<S> && std::is_same_v<Acc, float>;
+  static constexpr bool k_rows8 = k_float_or_bf16<P, G, S> && std::is_same_v<Acc, float>;
   // Scratch of the eight-lane body, one per thread, reused across steps and tensors.
   rows8::Scratch& group_scratch() const {
     thread_local rows8::Scratch scratch;
