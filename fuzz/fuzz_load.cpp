@@ -221,15 +221,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  // LibTorch's reader allocates what a crafted pickle says: see libtorch_guard.h.
-  if (gwt_fuzz::pickle_lengths_out_of_range(data, size)) return 0;
   torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(reinterpret_cast<const char*>(data), size);
-  } catch (const std::exception&) {
-    return 0;  // not an archive LibTorch reads
-  }
-  if (gwt_fuzz::libtorch_misread(archive)) return 0;  // LibTorch's defect: see libtorch_misread
+  if (!gwt_fuzz::read_archive(data, size, archive)) return 0;  // see libtorch_guard.h
   check_load<WaveletAdamTraits>(g_wavelet_adam, archive);
   check_load<GaLoreAdamTraits>(g_galore_adam, archive);
   return 0;

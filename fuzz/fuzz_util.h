@@ -153,4 +153,61 @@ const T& pick(FuzzedDataProvider& in, const std::vector<T>& values) {
   return values[in.ConsumeIntegralInRange<size_t>(0, values.size() - 1)];
 }
 
+/// A floating-point dtype gwt's optimizers take, or (allow_bad) now and then one they refuse.
+inline at::ScalarType draw_dtype(FuzzedDataProvider& in, bool allow_bad) {
+  const uint8_t b = in.ConsumeIntegral<uint8_t>();
+  if (allow_bad && b >= 250) return b % 2 ? at::kInt : at::kComplexFloat;
+  return std::vector<at::ScalarType>{at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}[b % 4];
+}
+
+// A gradient for `param` drawn from the input: usually of its shape and dtype, sometimes missing,
+// mis-shaped, of another dtype, non-contiguous or sparse.
+inline at::Tensor draw_grad(FuzzedDataProvider& in, const at::Tensor& param) {
+  const uint8_t kind = in.ConsumeIntegral<uint8_t>();
+  const bool specials = in.ConsumeIntegral<uint8_t>() >= 200;
+  const double typical = std::ldexp(1.0, in.ConsumeIntegralInRange<int>(-40, 40));
+  if (kind < 8) return at::Tensor();
+  if (kind < 12) {  // wrong shape
+    auto shape = param.sizes().vec();
+    if (shape.empty())
+      shape.push_back(2);
+    else
+      shape.back() += 1;
+    return draw_tensor(in, shape, param.scalar_type(), specials, typical);
+  }
+  if (kind < 14) return at::ones(param.sizes(), at::kInt);
+  if (kind < 16 && param.dim() > 0) {
+    return draw_tensor(in, param.sizes(), at::kDouble, specials, typical).to_sparse();
+  }
+  const at::ScalarType dtype = kind < 24 ? draw_dtype(in, false) : param.scalar_type();
+  at::Tensor g = draw_tensor(in, param.sizes(), dtype, specials, typical);
+  if (kind < 30 && g.dim() >= 2) g = g.transpose(0, 1).contiguous().transpose(0, 1);
+  return g;
+}
+
+/// The largest finite value of a floating-point dtype.
+inline double dtype_max(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf:
+      return 65504.0;
+    case at::kBFloat16:
+      return 3.38e38;
+    case at::kFloat:
+      return 3.40e38;
+    default:
+      return std::numeric_limits<double>::max();
+  }
+}
+
+/// One line per parameter: dtype, shape, and whether it is a non-contiguous view.
+inline std::string describe_params(const std::vector<at::Tensor>& params) {
+  std::string s;
+  for (const auto& p : params) {
+    s += "param " + std::string(c10::toString(p.scalar_type())) + " [";
+    for (int64_t d = 0; d < p.dim(); ++d) s += (d ? "," : "") + std::to_string(p.size(d));
+    s += std::string("]") + (p.is_contiguous() ? "" : " non-contiguous") + "\n";
+  }
+  return s;
+}
+
 }  // namespace gwt_fuzz

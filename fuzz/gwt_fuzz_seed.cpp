@@ -4,8 +4,11 @@
 //   and 3 steps under many options, some with a parameter that never had a gradient;
 // - compression/: CompressedGradient encodings of 1-D to 3-D gradients (every position format,
 //   several wavelets, modes, levels, dims, thresholds and dtypes);
-// - transform/, step/: byte strings from a fixed pseudo-random sequence (the targets decode any
-//   bytes into a case).
+// - adapters/: delta-adapter archives (gwt::nn::save_delta_adapters) for the model of
+//   adapter_setup.h under several options, its own adapters, and one for a Linear in its
+//   torch::nn::Sequential;
+// - transform/, step/, galore/: byte strings from a fixed pseudo-random sequence (the targets
+//   decode any bytes into a case).
 //
 // Deterministic: the same files on every run and machine (given the same LibTorch), so the
 // committed corpus can be regenerated and compared.
@@ -21,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "adapter_setup.h"
 #include "gwt/compression.h"
 #include "load_setup.h"
 
@@ -102,6 +106,44 @@ void load_seeds() {
   checkpoint<Ga>("galore_adam_partial", g0, g1, 2, {false, true, true});
 }
 
+void adapter_seeds() {
+  using gwt::nn::DeltaLinearOptions;
+  const std::vector<std::pair<std::string, DeltaLinearOptions>> variants = {
+      {"lora2", DeltaLinearOptions(0, 0).rank(2)},
+      {"hra2", DeltaLinearOptions(0, 0).reflections(2)},
+      {"hra3_gs", DeltaLinearOptions(0, 0).reflections(3).gram_schmidt(true)},
+      {"core2", DeltaLinearOptions(0, 0).rank(2).orthogonal_core(true).alpha(4)},
+      {"both", DeltaLinearOptions(0, 0).rank(1).reflections(1).train_base(true)},
+  };
+  for (const auto& [name, o] : variants) {
+    gwt_fuzz::AdapterModel model;
+    gwt::nn::add_delta_adapters(*model, o, [](const std::string& layer) {
+      return layer == "fc1" || layer == "block.fc2" || layer == "fc3";
+    });
+    gwt_fuzz::fill_deterministic(*model);  // a trained-looking U (it starts at zero)
+    torch::serialize::OutputArchive archive;
+    gwt::nn::save_delta_adapters(*model, archive);
+    save(archive, "adapters/" + name);
+  }
+  {
+    // The model's own adapters ("delta", and "seq.0" in its Sequential), which load in place, and
+    // one for "seq.1", a Linear in that Sequential, which cannot be replaced there.
+    gwt_fuzz::AdapterModel model;
+    torch::serialize::OutputArchive archive;
+    gwt::nn::save_delta_adapters(*model, archive);
+    save(archive, "adapters/own");
+    torch::nn::Module holder;
+    holder.register_module(
+        "seq", torch::nn::Sequential(torch::nn::Linear(4, 4),
+                                     gwt::nn::DeltaLinear(torch::nn::Linear(4, 4),
+                                                          DeltaLinearOptions(4, 4).rank(2))));
+    gwt_fuzz::fill_deterministic(holder);
+    torch::serialize::OutputArchive in_sequential;
+    gwt::nn::save_delta_adapters(holder, in_sequential);
+    save(in_sequential, "adapters/in_sequential");
+  }
+}
+
 void compression_seeds() {
   struct Seed {
     std::string name;
@@ -156,16 +198,20 @@ void byte_seeds(const std::string& target, int count, uint32_t seed) {
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::fprintf(stderr, "usage: gwt_fuzz_seed <corpus dir with load/ compression/ transform/ step/>\n");
+    std::fprintf(stderr,
+                 "usage: gwt_fuzz_seed <corpus dir with load/ compression/ adapters/ transform/ "
+                 "step/ galore/>\n");
     return 2;
   }
   root = argv[1];
-  for (const char* sub : {"load", "compression", "transform", "step"})
+  for (const char* sub : {"load", "compression", "adapters", "transform", "step", "galore"})
     std::filesystem::create_directories(root + "/" + sub);
   at::set_num_threads(1);
   load_seeds();
   compression_seeds();
+  adapter_seeds();
   byte_seeds("transform", 24, 12345);
   byte_seeds("step", 24, 54321);
+  byte_seeds("galore", 24, 24680);
   return failures == 0 ? 0 : 1;
 }

@@ -267,4 +267,19 @@ inline bool libtorch_misread(torch::serialize::InputArchive& archive) {
   return false;
 }
 
+/// The archive in `data`, read as the archive targets read their input, or false where the input
+/// is to be skipped: bytes whose pickles LibTorch would over-allocate for
+/// (pickle_lengths_out_of_range), bytes load_from rejects (not an archive it reads: its own
+/// std::exceptions never reach gwt), and archives LibTorch misreads (libtorch_misread).
+inline bool read_archive(const uint8_t* data, size_t size,
+                         torch::serialize::InputArchive& archive) {
+  if (pickle_lengths_out_of_range(data, size)) return false;
+  try {
+    archive.load_from(reinterpret_cast<const char*>(data), size);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return !libtorch_misread(archive);
+}
+
 }  // namespace gwt_fuzz

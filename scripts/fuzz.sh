@@ -2,7 +2,8 @@
 # Builds gwt's libFuzzer targets (fuzz/) with clang, AddressSanitizer and UndefinedBehaviorSanitizer
 # into build-fuzz/ and runs each for SECONDS on a copy of its committed seed corpus.
 #
-#   scripts/fuzz.sh SECONDS [target...]     targets: transform step load compression (default all)
+#   scripts/fuzz.sh SECONDS [target...]     targets: transform step galore load compression adapters
+#                                          (default all)
 #
 # One line per target (executions, rate, crashes) and a total; exits non-zero if any target
 # crashed (the input is kept as fuzz/crashes/<target>-crash-*, reproduce it with
@@ -17,10 +18,10 @@
 # GWT_FUZZ_NOTES=<dir> (inputs of the targets' notes, see fuzz/fuzz_util.h).
 set -euo pipefail
 
-usage() { echo "usage: scripts/fuzz.sh SECONDS [transform|step|load|compression ...]" >&2; exit 2; }
+usage() { echo "usage: scripts/fuzz.sh SECONDS [transform|step|galore|load|compression|adapters ...]" >&2; exit 2; }
 [[ $# -ge 1 && "$1" =~ ^[0-9]+$ && "$1" -ge 1 ]] || usage
 seconds="$1"; shift
-all_targets=(transform step load compression)
+all_targets=(transform step galore load compression adapters)
 targets=("$@")
 [[ ${#targets[@]} -eq 0 ]] && targets=("${all_targets[@]}")
 for t in "${targets[@]}"; do

@@ -531,6 +531,153 @@ TEST(DeltaAdapters, SavedAloneTheyLoadOntoAFreshBaseAndRefuseAnotherShape) {
                "not a gwt.DeltaAdapters.v1");
 }
 
+// The bytes of `module`'s adapters (save_delta_adapters), and an archive that reads them.
+std::string adapter_bytes(const torch::nn::Module& module) {
+  torch::serialize::OutputArchive out;
+  gwt::nn::save_delta_adapters(module, out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  return bytes.str();
+}
+std::shared_ptr<torch::serialize::InputArchive> archive_of(const std::string& bytes) {
+  auto in = std::make_shared<torch::serialize::InputArchive>();
+  std::istringstream stream(bytes);
+  in->load_from(stream);
+  return in;
+}
+
+torch::nn::Sequential sequential_of_adapters(const DeltaLinearOptions& o) {
+  return torch::nn::Sequential(
+      DeltaLinear(make_base(12, 16), DeltaLinearOptions(o).in_features(12).out_features(16)),
+      DeltaLinear(make_base(16, 3), DeltaLinearOptions(o).in_features(16).out_features(3)));
+}
+
+TEST(DeltaAdapters, LoadIntoASequentialOfAdaptersSetsTheirValuesInPlace) {
+  // A Sequential runs its own list of modules: a loaded adapter must be that list's. Before, load
+  // replaced the Sequential's child in name only, and its forward kept the old adapter. Adapters
+  // with the saved options now take the values in place: the forward is the saved model's, and
+  // the parameters keep their identity, so an optimizer built before the load trains the loaded
+  // values.
+  at::manual_seed(12);
+  const DeltaLinearOptions o =
+      DeltaLinearOptions(0, 0).rank(3).reflections(2).orthogonal_core(true);
+  torch::nn::Sequential trained = sequential_of_adapters(o);
+  torch::nn::Sequential fresh = sequential_of_adapters(o);
+  copy_parameters(*trained, *fresh);  // the same bases
+  const at::Tensor x = at::randn({5, 12}, at::kDouble);
+  {
+    torch::optim::AdamW opt(trained->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int t = 0; t < 5; ++t) {
+      opt.zero_grad();
+      trained->forward(x).pow(2).sum().backward();
+      opt.step();
+    }
+  }
+  const at::Tensor expected = trained->forward(x).detach();
+  std::vector<const void*> identity;
+  for (const auto& p : fresh->parameters()) identity.push_back(p.unsafeGetTensorImpl());
+  torch::optim::AdamW opt(fresh->parameters(), torch::optim::AdamWOptions(1e-2));
+  ASSERT_FALSE(at::equal(fresh->forward(x), expected));
+  const auto loaded = gwt::nn::load_delta_adapters(*fresh, *archive_of(adapter_bytes(*trained)));
+  ASSERT_EQ(loaded.size(), 2u);
+  EXPECT_EQ(loaded[0].second.get(), fresh->ptr(0).get());
+  EXPECT_EQ(loaded[1].second.get(), fresh->ptr(1).get());
+  EXPECT_TRUE(at::equal(fresh->forward(x), expected));  // the same values, the same operations
+  std::vector<const void*> after;
+  for (const auto& p : fresh->parameters()) after.push_back(p.unsafeGetTensorImpl());
+  EXPECT_EQ(after, identity);
+  const at::Tensor u_before = loaded[0].second->U.detach().clone();
+  opt.zero_grad();
+  fresh->forward(x).pow(2).sum().backward();
+  opt.step();
+  EXPECT_FALSE(at::equal(loaded[0].second->U, u_before));  // the optimizer trains the loaded U
+}
+
+TEST(DeltaAdapters, LoadAndMergeRefuseToReplaceALayerInsideASequential) {
+  at::manual_seed(13);
+  torch::nn::Sequential adapted = sequential_of_adapters(DeltaLinearOptions(0, 0).rank(2));
+  const std::string bytes = adapter_bytes(*adapted);
+  // Onto plain Linear layers in a Sequential (which add_delta_adapters refuses to adapt), and onto
+  // adapters of another rank: each would have to be replaced, which the Sequential would not see.
+  torch::nn::Sequential plain(make_base(12, 16), make_base(16, 3));
+  torch::nn::Sequential other = sequential_of_adapters(DeltaLinearOptions(0, 0).rank(3));
+  for (torch::nn::Sequential* target : {&plain, &other}) {
+    std::vector<std::pair<const void*, at::Tensor>> before;
+    for (const auto& child : (*target)->children())
+      for (const auto& p : child->parameters())
+        before.emplace_back(child.get(), p.detach().clone());
+    std::vector<bool> requires_grad;
+    for (const auto& p : (*target)->parameters()) requires_grad.push_back(p.requires_grad());
+    expect_error([&] { gwt::nn::load_delta_adapters(**target, *archive_of(bytes)); },
+                 "layer '0' is inside a torch::nn::Sequential, which runs its own list of modules");
+    size_t i = 0;
+    for (const auto& child : (*target)->children())
+      for (const auto& p : child->parameters()) {
+        EXPECT_EQ(before[i].first, child.get());
+        EXPECT_TRUE(at::equal(p, before[i].second));
+        ++i;
+      }
+    std::vector<bool> requires_grad_after;
+    for (const auto& p : (*target)->parameters()) requires_grad_after.push_back(p.requires_grad());
+    EXPECT_EQ(requires_grad_after, requires_grad);
+  }
+  // Merging would replace the adapters in name only, too.
+  expect_error([&] { gwt::nn::merge_delta_adapters(*adapted); },
+               "gwt::nn::merge_delta_adapters: layer '0' is inside a torch::nn::Sequential");
+  for (const auto& child : adapted->children())
+    EXPECT_TRUE(std::dynamic_pointer_cast<gwt::nn::DeltaLinearImpl>(child) != nullptr);
+}
+
+TEST(DeltaAdapters, LoadRejectsReflectionVectorsThatDefineNoReflection) {
+  // A zero reflection vector (with gram_schmidt, one that is zero once the vectors before it are
+  // projected out) has no reflection: its normalisation is 0 / 0, and every output of the layer
+  // was NaN after such a load. Such archives are rejected, with nothing changed.
+  at::manual_seed(14);
+  struct Case {
+    DeltaLinearOptions options;
+    std::function<void(gwt::nn::DeltaLinearImpl&)> spoil;
+    std::string words;
+  };
+  const std::vector<Case> cases = {
+      {DeltaLinearOptions(0, 0).reflections(2),
+       [](gwt::nn::DeltaLinearImpl& a) { a.reflections.select(1, 1).zero_(); },
+       "reflection vectors include a zero vector"},
+      {DeltaLinearOptions(0, 0).reflections(3).gram_schmidt(true),
+       [](gwt::nn::DeltaLinearImpl& a) {
+         // The third vector in the span of the first two, exactly in float64: 2 e0 + e1 after
+         // the first two are made e0 and e1.
+         a.reflections.zero_();
+         a.reflections[0][0] = 1, a.reflections[1][1] = 1;
+         a.reflections[0][2] = 2, a.reflections[1][2] = 1;
+       },
+       "reflection vectors include one that is zero once the ones before it are projected out"},
+      {DeltaLinearOptions(0, 0).rank(2).orthogonal_core(true),
+       [](gwt::nn::DeltaLinearImpl& a) { a.core.select(1, 0).zero_(); },
+       "core vectors include a zero vector"}};
+  for (const auto& c : cases) {
+    Stack source = three_layers();
+    Stack target = three_layers();
+    copy_parameters(*source, *target);
+    const auto adapters = gwt::nn::add_delta_adapters(
+        *source, c.options, [](const std::string& name) { return name == "1"; });
+    {
+      at::NoGradGuard no_grad;
+      // A delta that is not zero, so that the core takes part.
+      if (adapters[0].second->U.defined()) adapters[0].second.ptr()->U.normal_();
+      c.spoil(*adapters[0].second.ptr());
+    }
+    const at::Tensor x = at::randn({5, 12}, at::kDouble);
+    EXPECT_FALSE(at::isfinite(source->forward(x)).all().item<bool>()) << c.words;  // why
+    const at::Tensor before = target->forward(x);
+    const std::string bytes = adapter_bytes(*source);
+    expect_error([&] { gwt::nn::load_delta_adapters(*target, *archive_of(bytes)); },
+                 "adapter '1''s " + c.words);
+    EXPECT_TRUE(std::dynamic_pointer_cast<torch::nn::LinearImpl>(target->layer(1)) != nullptr);
+    EXPECT_TRUE(target->layer(1)->parameters()[0].requires_grad());
+    EXPECT_TRUE(at::equal(target->forward(x), before));
+  }
+}
+
 TEST(DeltaAdapters, DiagnosticsMeasureTheFrozenWeightsGradientAndClip) {
   at::manual_seed(11);
   Stack model(std::vector<std::pair<int64_t, int64_t>>{{10, 6}});

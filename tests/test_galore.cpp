@@ -775,6 +775,85 @@ TEST(GaLoreAdam, WideGradientThatOverflowsADenseParametersDtypeSkipsTheStep) {
   expect_same(after, before);
 }
 
+TEST(GaLoreAdam, NonFiniteGradientAnywhereSkipsTheWholeStep) {
+  // A NaN or an infinity in one element of any gradient, projected or dense, in either group and
+  // in float32 or float64: no parameter, moment, projector or step count changes, in any group,
+  // and skipped_steps() grows by one. Bit-exact by construction: nothing may be written.
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    at::manual_seed(34);
+    const auto f = at::TensorOptions().dtype(dtype);
+    at::Tensor w = at::randn({10, 6}, f).requires_grad_(true);  // projected
+    at::Tensor d = at::randn({6}, f).requires_grad_(true);      // dense
+    at::Tensor v = at::randn({5, 9}, f).requires_grad_(true);   // projected, second group
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>{w, d});
+    GaLoreAdam opt(std::move(groups), GaLoreAdamOptions(0.01).rank(2).update_proj_gap(1));
+    opt.add_param_group(torch::optim::OptimizerParamGroup(
+        {v}, std::make_unique<GaLoreAdamOptions>(GaLoreAdamOptions(0.02).rank(3))));
+    const std::vector<at::Tensor> params = {w, d, v};
+    auto fresh_grads = [&] {
+      for (const auto& p : params) p.mutable_grad() = at::randn(p.sizes(), f);
+    };
+    fresh_grads();
+    opt.step();  // state, moments and projectors exist
+    int64_t skipped = 0;
+    for (size_t which = 0; which < params.size(); ++which) {
+      for (double bad : {k_nan, k_inf, -k_inf}) {
+        fresh_grads();
+        params[which].mutable_grad().view({-1})[3] = bad;
+        const auto before = snapshot(opt, params);
+        opt.step();
+        EXPECT_EQ(opt.skipped_steps(), ++skipped) << "parameter " << which << ", value " << bad;
+        auto after = snapshot(opt, params);
+        after[after.size() - 3] = before[before.size() - 3];  // all but skipped_steps
+        expect_same(after, before);
+      }
+    }
+    fresh_grads();
+    opt.step();  // finite again: the step is taken
+    for (const auto& p : params) EXPECT_EQ(state_of(opt, p).step(), 2);
+  }
+}
+
+TEST(GaLoreAdam, BadGradientsAreRejectedWithNothingChangedAndMissingOnesAreLeftOut) {
+  at::manual_seed(35);
+  at::Tensor w = at::randn({10, 6}).requires_grad_(true);
+  at::Tensor d = at::randn({6}).requires_grad_(true);
+  GaLoreAdam opt({w, d}, GaLoreAdamOptions(0.01).rank(2));
+  w.mutable_grad() = at::randn({10, 6});
+  d.mutable_grad() = at::randn({6});
+  opt.step();
+  const std::vector<std::pair<at::Tensor, std::string>> bad = {
+      {at::randn({10, 7}), "gradient shape [10, 7] does not match its parameter's shape [10, 6]"},
+      {at::randn({10, 6}).to_sparse(), "does not support sparse gradients"},
+      {at::ones({10, 6}, at::kInt), "gradient dtype Int is not floating point"}};
+  for (const auto& [grad, words] : bad) {
+    w.mutable_grad() = grad;
+    d.mutable_grad() = at::randn({6});  // a good gradient beside it: it does not step either
+    const auto before = snapshot(opt, {w, d});
+    expect_error([&] { opt.step(); }, {"gwt::GaLoreAdam", words});
+    expect_same(snapshot(opt, {w, d}), before);
+  }
+  // A missing gradient leaves that parameter out: no state is made for a new one, the step count
+  // of one with state stays, and the others step.
+  at::Tensor u = at::randn({4, 8}).requires_grad_(true);
+  opt.add_param_group(torch::optim::OptimizerParamGroup({u}));
+  w.mutable_grad() = at::Tensor();
+  d.mutable_grad() = at::randn({6});
+  const at::Tensor w_before = w.detach().clone(), u_before = u.detach().clone();
+  const auto w_state = snapshot(opt, {w});
+  opt.step();
+  EXPECT_TRUE(at::equal(w, w_before));
+  EXPECT_TRUE(at::equal(u, u_before));
+  EXPECT_EQ(opt.state().count(u.unsafeGetTensorImpl()), 0u);
+  EXPECT_EQ(state_of(opt, w).step(), 1);
+  auto w_after = snapshot(opt, {w});
+  expect_same(std::vector<at::Tensor>(w_after.begin(), w_after.end() - 3),
+              std::vector<at::Tensor>(w_state.begin(), w_state.end() - 3));
+  EXPECT_EQ(state_of(opt, d).step(), 2);
+  EXPECT_EQ(opt.skipped_steps(), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // LowRankLinear
 // ---------------------------------------------------------------------------------------------

@@ -10,14 +10,19 @@
 #include <limits>
 #include <sstream>
 
+#include "delta_linear_detail.h"
 #include "gwt/nn/delta_linear.h"
 
 namespace gwt {
 namespace nn {
 
-/// What load_delta_adapters sets that no public setter does.
+/// What load_delta_adapters sets that no public setter does: the saved scale, and no columns of U
+/// known to be zero (the saved U is what it is).
 struct DeltaLinearAccess {
-  static void set_scaling(DeltaLinearImpl& layer, double scaling) { layer.scaling_ = scaling; }
+  static void set_loaded(DeltaLinearImpl& layer, double scaling) {
+    layer.scaling_ = scaling;
+    layer.zero_from_ = -1;
+  }
 };
 
 namespace {
@@ -112,6 +117,29 @@ void save_delta_adapters(const torch::nn::Module& module, const std::string& pat
   archive.save_to(path);
 }
 
+namespace {
+
+bool same_options(const DeltaLinearOptions& a, const DeltaLinearOptions& b) {
+  return a.in_features() == b.in_features() && a.out_features() == b.out_features() &&
+         a.rank() == b.rank() && a.reflections() == b.reflections() &&
+         a.orthogonal_core() == b.orthogonal_core() && a.alpha() == b.alpha() &&
+         a.gram_schmidt() == b.gram_schmidt() && a.train_base() == b.train_base();
+}
+
+// A Linear over the weight and bias tensors of `existing` (shared, not copied).
+torch::nn::Linear base_of(const DeltaLinearImpl& existing) {
+  auto linear = std::make_shared<torch::nn::LinearImpl>(
+      torch::nn::LinearOptions(existing.options().in_features(),
+                               existing.options().out_features())
+          .bias(existing.bias.defined()));
+  at::NoGradGuard no_grad;
+  linear->weight.set_data(existing.weight);
+  if (existing.bias.defined()) linear->bias.set_data(existing.bias);
+  return torch::nn::Linear(linear);
+}
+
+}  // namespace
+
 std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
     torch::nn::Module& module, torch::serialize::InputArchive& archive) {
   c10::IValue format;
@@ -122,12 +150,20 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
   TORCH_CHECK(count >= 0, k_who, ": a negative adapter count; the file is corrupt");
   const auto modules = module.named_modules("", /*include_self=*/false);
 
-  // Everything is read and built first; the module tree changes only at the end.
+  // Everything is read, built and checked first; the model changes only at the end. A layer that
+  // is already a DeltaLinear with the saved options takes the saved values in place (its
+  // parameters keep their identity, so an optimizer over the model keeps working, and a container
+  // that runs its own list of modules runs it); any other layer is replaced by a new DeltaLinear
+  // over its base.
+  using Member = at::Tensor DeltaLinearImpl::*;
   struct Pending {
     std::string name;
-    std::shared_ptr<torch::nn::Module> parent;
+    torch::nn::Module* parent;
     std::string child;
     DeltaLinear adapter;
+    bool in_place;
+    std::vector<std::pair<Member, at::Tensor>> values;  // converted to the adapter's dtypes
+    double scaling;
   };
   std::vector<Pending> pending;
   // Building an adapter freezes its base: on any error every base gets its requires_grad back.
@@ -147,19 +183,12 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
       TORCH_CHECK(modules.contains(name), k_who, ": the module has no layer '", name,
                   "' for the saved adapter");
       const auto& target = modules[name];
+      const auto existing = std::dynamic_pointer_cast<DeltaLinearImpl>(target);
       torch::nn::Linear base(nullptr);
       if (auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(target)) {
         base = torch::nn::Linear(linear);
-      } else if (auto existing = std::dynamic_pointer_cast<DeltaLinearImpl>(target)) {
-        // Keep its base: a Linear over the same weight and bias tensors.
-        auto linear_impl = std::make_shared<torch::nn::LinearImpl>(
-            torch::nn::LinearOptions(existing->options().in_features(),
-                                     existing->options().out_features())
-                .bias(existing->bias.defined()));
-        at::NoGradGuard no_grad;
-        linear_impl->weight.set_data(existing->weight);
-        if (existing->bias.defined()) linear_impl->bias.set_data(existing->bias);
-        base = torch::nn::Linear(linear_impl);
+      } else if (existing) {
+        base = base_of(*existing);  // kept, if the layer is replaced
       } else {
         TORCH_CHECK(false, k_who, ": layer '", name, "' is a ", target->name(),
                     ", not a torch::nn::Linear or gwt::nn::DeltaLinear");
@@ -182,7 +211,7 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
       // Tensors first (shape checks need valid counts; the constructor checks the ranges).
       TORCH_CHECK(k >= 0 && r >= 0 && k <= std::min(in, out) && r <= in, k_who, ": ", where,
                   " has rank ", k, " and ", r, " reflections, invalid for in ", in, ", out ", out);
-      std::vector<std::pair<at::Tensor DeltaLinearImpl::*, at::Tensor>> values;
+      std::vector<std::pair<Member, at::Tensor>> values;
       if (k > 0) {
         values.emplace_back(&DeltaLinearImpl::U, read_tensor(entry, "U", where, {out, k}));
         values.emplace_back(&DeltaLinearImpl::V, read_tensor(entry, "V", where, {in, k}));
@@ -192,23 +221,39 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
       if (r > 0)
         values.emplace_back(&DeltaLinearImpl::reflections,
                             read_tensor(entry, "reflection_vectors", where, {in, r}));
-      frozen.emplace_back(base->weight, base->weight.requires_grad());
-      if (base->bias.defined()) frozen.emplace_back(base->bias, base->bias.requires_grad());
-      {
-        DeltaLinear adapter(base, o);
-        at::NoGradGuard no_grad;
-        for (auto& [member, value] : values) {
-          at::Tensor& t = (*adapter).*member;
-          t.copy_(value.to(t.options()));
-        }
-        DeltaLinearAccess::set_scaling(*adapter, scaling);
-        const auto dot = name.rfind('.');
-        const std::string parent_name = dot == std::string::npos ? "" : name.substr(0, dot);
-        std::shared_ptr<torch::nn::Module> parent =
-            parent_name.empty() ? nullptr : modules[parent_name];
-        pending.push_back(
-            {name, parent, dot == std::string::npos ? name : name.substr(dot + 1), adapter});
+      const auto dot = name.rfind('.');
+      torch::nn::Module* parent =
+          dot == std::string::npos ? &module : modules[name.substr(0, dot)].get();
+      const bool in_place = existing && same_options(existing->options(), o);
+      if (!in_place && detail::runs_own_list(*parent))
+        detail::refuse_layer_in_container(k_who, name, *parent);
+      DeltaLinear adapter(nullptr);
+      if (in_place) {
+        adapter = DeltaLinear(existing);
+      } else {
+        frozen.emplace_back(base->weight, base->weight.requires_grad());
+        if (base->bias.defined()) frozen.emplace_back(base->bias, base->bias.requires_grad());
+        adapter = DeltaLinear(base, o);
       }
+      for (auto& [member, value] : values) {
+        const at::Tensor& t = (*adapter).*member;
+        value = value.to(t.options()).contiguous();
+      }
+      // The reflections must be defined as the forward computes them: a zero vector (with
+      // gram_schmidt, one that is zero once the ones before it are projected out) would make every
+      // output NaN.
+      for (const auto& [member, value] : values) {
+        const bool core = member == &DeltaLinearImpl::core;
+        if (!core && member != &DeltaLinearImpl::reflections) continue;
+        TORCH_CHECK(detail::reflections_defined(value, !core && o.gram_schmidt()), k_who, ": ",
+                    where, "'s ", core ? "core" : "reflection", " vectors ",
+                    !core && o.gram_schmidt()
+                        ? "include one that is zero once the ones before it are projected out"
+                        : "include a zero vector",
+                    ", which defines no reflection; the file is corrupt");
+      }
+      pending.push_back({name, parent, dot == std::string::npos ? name : name.substr(dot + 1),
+                         adapter, in_place, std::move(values), scaling});
     }
   } catch (...) {
     for (auto& [t, requires_grad] : frozen) t.requires_grad_(requires_grad);
@@ -216,8 +261,12 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
   }
   std::vector<std::pair<std::string, DeltaLinear>> loaded;
   for (auto& p : pending) {
-    torch::nn::Module& parent = p.parent ? *p.parent : module;
-    parent.replace_module(p.child, p.adapter.ptr());
+    {
+      at::NoGradGuard no_grad;
+      for (auto& [member, value] : p.values) ((*p.adapter).*member).copy_(value);
+    }
+    DeltaLinearAccess::set_loaded(*p.adapter, p.scaling);
+    if (!p.in_place) p.parent->replace_module(p.child, p.adapter.ptr());
     loaded.emplace_back(p.name, p.adapter);
   }
   return loaded;

@@ -1,5 +1,6 @@
 #include "gwt/nn/delta_linear.h"
 
+#include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -11,6 +12,7 @@
 #include <memory>
 #include <utility>
 
+#include "delta_linear_detail.h"
 #include "gwt/nn/low_rank_linear.h"
 
 namespace gwt {
@@ -87,6 +89,39 @@ double orthogonality_of(const WY& f) {
   const at::Tensor p = apply_product(eye, d, false);
   return (at::matmul(p.t(), p) - eye).norm().item<double>();
 }
+
+}  // namespace
+
+namespace detail {
+
+bool runs_own_list(const torch::nn::Module& module) {
+  return dynamic_cast<const torch::nn::SequentialImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::ModuleListImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::ModuleDictImpl*>(&module) != nullptr;
+}
+
+void refuse_layer_in_container(const char* who, const std::string& layer,
+                               const torch::nn::Module& container) {
+  // "torch::nn::SequentialImpl": the holder's name reads better.
+  std::string type = container.name();
+  if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0)
+    type.resize(type.size() - 4);
+  TORCH_CHECK(false, who, ": layer '", layer, "' is inside a ", type,
+              ", which runs its own list of modules that replace_module cannot change (the layer "
+              "would be replaced in name only, and left out of the forward); build the container "
+              "from DeltaLinear layers instead, or leave the layer out; nothing was changed");
+}
+
+bool reflections_defined(const at::Tensor& vectors, bool gram_schmidt) {
+  at::NoGradGuard no_grad;
+  if (!vectors.defined() || vectors.size(1) == 0) return true;
+  const WY f = wy_factors(vectors, gram_schmidt);
+  return at::isfinite(f.y).all().item<bool>() && at::isfinite(f.t).all().item<bool>();
+}
+
+}  // namespace detail
+
+namespace {
 
 // Replaces a parameter's tensor in place (it keeps its identity, so optimizers still hold it), or
 // registers it when the layer has none yet.
@@ -367,13 +402,8 @@ std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
     const auto dot = item.key().rfind('.');
     const torch::nn::Module* parent =
         dot == std::string::npos ? &module : modules[item.key().substr(0, dot)].get();
-    TORCH_CHECK(dynamic_cast<const torch::nn::SequentialImpl*>(parent) == nullptr &&
-                    dynamic_cast<const torch::nn::ModuleListImpl*>(parent) == nullptr,
-                "gwt::nn::add_delta_adapters: layer '", item.key(), "' is inside a ",
-                parent->name(),
-                ", which runs its own list of modules that replace_module cannot change; build the "
-                "container from DeltaLinear layers instead (or exclude the layer with the filter); "
-                "nothing was replaced");
+    if (detail::runs_own_list(*parent))
+      detail::refuse_layer_in_container("gwt::nn::add_delta_adapters", item.key(), *parent);
     const auto& w = linear->weight;
     TORCH_CHECK(w.dim() == 2 && options.rank() <= std::min(w.size(0), w.size(1)) &&
                     options.reflections() <= w.size(1),
@@ -386,6 +416,17 @@ std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
 }
 
 int64_t merge_delta_adapters(torch::nn::Module& module) {
+  // Checked before anything is merged: a container that runs its own list would keep running the
+  // adapter.
+  const auto modules = module.named_modules("", /*include_self=*/false);
+  for (const auto& item : modules) {
+    if (!std::dynamic_pointer_cast<DeltaLinearImpl>(item.value())) continue;
+    const auto dot = item.key().rfind('.');
+    const torch::nn::Module& parent =
+        dot == std::string::npos ? module : *modules[item.key().substr(0, dot)];
+    if (detail::runs_own_list(parent))
+      detail::refuse_layer_in_container("gwt::nn::merge_delta_adapters", item.key(), parent);
+  }
   return merge_adapters(module);
 }
 

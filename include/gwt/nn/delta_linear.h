@@ -138,8 +138,9 @@ using NameFilter = std::function<bool(const std::string& name)>;
 /// place (Module::replace_module). Returns the new adapters by qualified name. Holders that keep
 /// their own reference to a replaced submodule (a member torch::nn::Linear) keep the base: the
 /// module's forward must look its layers up by name (child_forward), or use the returned adapters.
-/// Linear layers inside a torch::nn::Sequential or ModuleList are refused with a c10::Error (those
-/// containers run their own list of modules, which replace_module does not change). Every matching
+/// Linear layers inside a torch::nn::Sequential, ModuleList or ModuleDict are refused with a
+/// c10::Error (those containers run their own list of modules, which replace_module does not
+/// change). Every matching
 /// layer is checked before any is replaced.
 std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
     torch::nn::Module& module, const DeltaLinearOptions& options, const NameFilter& filter);
@@ -153,7 +154,9 @@ at::Tensor linear_forward(torch::nn::Module& layer, const at::Tensor& x);
 /// torch::nn::Linear holder keeps pointing to the base).
 at::Tensor child_forward(torch::nn::Module& parent, const std::string& name, const at::Tensor& x);
 
-/// Replaces every DeltaLinear submodule by its merge(); returns how many were merged.
+/// Replaces every DeltaLinear submodule by its merge(); returns how many were merged. A DeltaLinear
+/// inside a torch::nn::Sequential, ModuleList or ModuleDict (containers that run their own list of
+/// modules, which replace_module does not change) is a c10::Error, with nothing merged.
 int64_t merge_delta_adapters(torch::nn::Module& module);
 
 /// Learning-rate multipliers of delta_param_groups (the source's ranges: U and V at 3-5x the base
@@ -181,9 +184,15 @@ void save_delta_adapters(const torch::nn::Module& module, torch::serialize::Outp
 void save_delta_adapters(const torch::nn::Module& module, const std::string& path);
 
 /// Puts saved adapters onto `module`: each named layer must be a torch::nn::Linear (a fresh base)
-/// or a DeltaLinear (its adapter is replaced, keeping its base) with the saved in/out features.
-/// Everything is checked first (names, shapes, dtypes, finite values, options); on any error
-/// nothing is replaced. Returns the new adapters by name.
+/// or a DeltaLinear with the saved in/out features. A DeltaLinear with the saved options (rank,
+/// reflections, core, alpha, gram_schmidt, train_base) takes the saved values in place: its
+/// parameters keep their identity, so an optimizer built over the model keeps training them. Any
+/// other layer is replaced by a new DeltaLinear over its base; where that layer sits in a container
+/// that runs its own list of modules (torch::nn::Sequential, ModuleList, ModuleDict), which
+/// replace_module does not change, it is a c10::Error. Everything is checked first (names, shapes,
+/// dtypes, finite values, options, reflection and core vectors that define reflections: none
+/// zero, and with gram_schmidt none that is zero once the ones before it are projected out); on any
+/// error nothing is changed. Returns the adapters by name.
 std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
     torch::nn::Module& module, torch::serialize::InputArchive& archive);
 std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(torch::nn::Module& module,

@@ -1,0 +1,32 @@
+#pragma once
+
+// What delta_linear.cpp and delta_adapters_io.cpp share beyond the public header.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <string>
+
+namespace gwt {
+namespace nn {
+namespace detail {
+
+/// Whether `module` is a container that runs its own list of modules (torch::nn::Sequential,
+/// ModuleList, ModuleDict): Module::replace_module changes its registered child but not that list,
+/// so a layer replaced inside it would be silently left out of its forward.
+bool runs_own_list(const torch::nn::Module& module);
+
+/// The error add_delta_adapters, load_delta_adapters and merge_delta_adapters give for a layer
+/// they would have to replace inside such a container; `who` names the function.
+[[noreturn]] void refuse_layer_in_container(const char* who, const std::string& layer,
+                                            const torch::nn::Module& container);
+
+/// Whether the reflections of the columns of `vectors` [n, m] are defined as the forward computes
+/// them (in `vectors`' dtype and device): their factors are finite, so no column is zero (0 / 0
+/// when it is normalised) and, with gram_schmidt, none is zero once the ones before it are
+/// projected out.
+bool reflections_defined(const at::Tensor& vectors, bool gram_schmidt);
+
+}  // namespace detail
+}  // namespace nn
+}  // namespace gwt
