@@ -1,6 +1,7 @@
 // Saving and loading delta adapters alone, and the training diagnostics of gwt::nn::DeltaLinear.
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/irange.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/serialize.h>
@@ -8,7 +9,9 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <mutex>
 #include <sstream>
+#include <unordered_set>
 
 #include "delta_linear_detail.h"
 #include "gwt/nn/delta_linear.h"
@@ -119,6 +122,26 @@ void save_delta_adapters(const torch::nn::Module& module, const std::string& pat
 
 namespace {
 
+// Building a replacement draws its start values (overwritten by the saved ones) from the default
+// CPU generator; its state is put back, so that a load never shifts the caller's random stream.
+class KeepCpuGeneratorState {
+ public:
+  KeepCpuGeneratorState() : generator_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(generator_.mutex());
+    state_ = generator_.get_state();
+  }
+  ~KeepCpuGeneratorState() {
+    std::lock_guard<std::mutex> lock(generator_.mutex());
+    generator_.set_state(state_);
+  }
+  KeepCpuGeneratorState(const KeepCpuGeneratorState&) = delete;
+  KeepCpuGeneratorState& operator=(const KeepCpuGeneratorState&) = delete;
+
+ private:
+  at::Generator generator_;
+  at::Tensor state_;
+};
+
 bool same_options(const DeltaLinearOptions& a, const DeltaLinearOptions& b) {
   return a.in_features() == b.in_features() && a.out_features() == b.out_features() &&
          a.rank() == b.rank() && a.reflections() == b.reflections() &&
@@ -166,8 +189,11 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
     double scaling;
   };
   std::vector<Pending> pending;
-  // Building an adapter freezes its base: on any error every base gets its requires_grad back.
+  // Building an adapter freezes its base: on any error every base gets its requires_grad back (in
+  // reverse order, so that a base two entries share gets the value it had before the first).
   std::vector<std::pair<at::Tensor, bool>> frozen;
+  std::unordered_set<std::string> names;
+  const KeepCpuGeneratorState keep_generator;
   try {
     for (const auto i : c10::irange(count)) {
       torch::serialize::InputArchive entry;
@@ -178,6 +204,8 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
       TORCH_CHECK(name_value.isString(), k_who, ": ", key, "'s name is not a string");
       const std::string name = name_value.toStringRef();
       const std::string where = "adapter '" + name + "'";
+      TORCH_CHECK(names.insert(name).second, k_who, ": ", where,
+                  " appears twice in the archive; the file is corrupt");
       const int64_t in = read_int(entry, "in_features", where),
                     out = read_int(entry, "out_features", where);
       TORCH_CHECK(modules.contains(name), k_who, ": the module has no layer '", name,
@@ -226,7 +254,10 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
           dot == std::string::npos ? &module : modules[name.substr(0, dot)].get();
       const bool in_place = existing && same_options(existing->options(), o);
       if (!in_place && detail::runs_own_list(*parent))
-        detail::refuse_layer_in_container(k_who, name, *parent);
+        detail::refuse_layer_in_container(
+            k_who, name, *parent,
+            "load onto DeltaLinear layers with the saved options there (they take the values in "
+            "place)");
       DeltaLinear adapter(nullptr);
       if (in_place) {
         adapter = DeltaLinear(existing);
@@ -241,29 +272,35 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
       }
       // The reflections must be defined as the forward computes them: a zero vector (with
       // gram_schmidt, one that is zero once the ones before it are projected out) would make every
-      // output NaN.
+      // output NaN, one whose norm overflows would be taken for the identity.
       for (const auto& [member, value] : values) {
         const bool core = member == &DeltaLinearImpl::core;
         if (!core && member != &DeltaLinearImpl::reflections) continue;
-        TORCH_CHECK(detail::reflections_defined(value, !core && o.gram_schmidt()), k_who, ": ",
-                    where, "'s ", core ? "core" : "reflection", " vectors ",
-                    !core && o.gram_schmidt()
-                        ? "include one that is zero once the ones before it are projected out"
-                        : "include a zero vector",
-                    ", which defines no reflection; the file is corrupt");
+        const bool gram_schmidt = !core && o.gram_schmidt();
+        TORCH_CHECK(detail::reflections_defined(value, gram_schmidt), k_who, ": ", where, "'s ",
+                    core ? "core" : "reflection", " vectors include one whose reflection cannot "
+                    "be computed in ", value.scalar_type(), " (",
+                    gram_schmidt ? "zero once the ones before it are projected out"
+                                 : "a zero vector",
+                    ", or one whose norm under- or overflows); the file is corrupt");
       }
       pending.push_back({name, parent, dot == std::string::npos ? name : name.substr(dot + 1),
                          adapter, in_place, std::move(values), scaling});
     }
   } catch (...) {
-    for (auto& [t, requires_grad] : frozen) t.requires_grad_(requires_grad);
+    for (auto it = frozen.rbegin(); it != frozen.rend(); ++it)
+      it->first.requires_grad_(it->second);
     throw;
   }
   std::vector<std::pair<std::string, DeltaLinear>> loaded;
   for (auto& p : pending) {
     {
       at::NoGradGuard no_grad;
-      for (auto& [member, value] : p.values) ((*p.adapter).*member).copy_(value);
+      for (auto& [member, value] : p.values) {
+        at::Tensor& t = (*p.adapter).*member;
+        t.copy_(value);
+        t.mutable_grad() = at::Tensor();  // a gradient of the values it held is stale
+      }
     }
     DeltaLinearAccess::set_loaded(*p.adapter, p.scaling);
     if (!p.in_place) p.parent->replace_module(p.child, p.adapter.ptr());

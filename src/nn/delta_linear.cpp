@@ -101,22 +101,25 @@ bool runs_own_list(const torch::nn::Module& module) {
 }
 
 void refuse_layer_in_container(const char* who, const std::string& layer,
-                               const torch::nn::Module& container) {
+                               const torch::nn::Module& container, const char* instead) {
   // "torch::nn::SequentialImpl": the holder's name reads better.
   std::string type = container.name();
   if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0)
     type.resize(type.size() - 4);
   TORCH_CHECK(false, who, ": layer '", layer, "' is inside a ", type,
               ", which runs its own list of modules that replace_module cannot change (the layer "
-              "would be replaced in name only, and left out of the forward); build the container "
-              "from DeltaLinear layers instead, or leave the layer out; nothing was changed");
+              "would be replaced in name only, and left out of the forward); ", instead,
+              "; nothing was changed");
 }
 
 bool reflections_defined(const at::Tensor& vectors, bool gram_schmidt) {
   at::NoGradGuard no_grad;
   if (!vectors.defined() || vectors.size(1) == 0) return true;
   const WY f = wy_factors(vectors, gram_schmidt);
-  return at::isfinite(f.y).all().item<bool>() && at::isfinite(f.t).all().item<bool>();
+  // Finite factors, and no normalised column that is zero (a vector whose norm overflowed
+  // normalises to 0, and its "reflection" would be the identity).
+  return at::isfinite(f.y).all().item<bool>() && at::isfinite(f.t).all().item<bool>() &&
+         (f.y.abs().amax(0) > 0).all().item<bool>();
 }
 
 }  // namespace detail
@@ -403,7 +406,10 @@ std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
     const torch::nn::Module* parent =
         dot == std::string::npos ? &module : modules[item.key().substr(0, dot)].get();
     if (detail::runs_own_list(*parent))
-      detail::refuse_layer_in_container("gwt::nn::add_delta_adapters", item.key(), *parent);
+      detail::refuse_layer_in_container(
+          "gwt::nn::add_delta_adapters", item.key(), *parent,
+          "build the container from DeltaLinear layers instead, or leave the layer out with the "
+          "filter");
     const auto& w = linear->weight;
     TORCH_CHECK(w.dim() == 2 && options.rank() <= std::min(w.size(0), w.size(1)) &&
                     options.reflections() <= w.size(1),
@@ -425,7 +431,9 @@ int64_t merge_delta_adapters(torch::nn::Module& module) {
     const torch::nn::Module& parent =
         dot == std::string::npos ? module : *modules[item.key().substr(0, dot)];
     if (detail::runs_own_list(parent))
-      detail::refuse_layer_in_container("gwt::nn::merge_delta_adapters", item.key(), parent);
+      detail::refuse_layer_in_container(
+          "gwt::nn::merge_delta_adapters", item.key(), parent,
+          "build the container again from each adapter's merge() (DeltaLinear::merge)");
   }
   return merge_adapters(module);
 }

@@ -17,14 +17,16 @@ namespace detail {
 bool runs_own_list(const torch::nn::Module& module);
 
 /// The error add_delta_adapters, load_delta_adapters and merge_delta_adapters give for a layer
-/// they would have to replace inside such a container; `who` names the function.
+/// they would have to replace inside such a container; `who` names the function, `instead` what
+/// the user can do.
 [[noreturn]] void refuse_layer_in_container(const char* who, const std::string& layer,
-                                            const torch::nn::Module& container);
+                                            const torch::nn::Module& container,
+                                            const char* instead);
 
 /// Whether the reflections of the columns of `vectors` [n, m] are defined as the forward computes
-/// them (in `vectors`' dtype and device): their factors are finite, so no column is zero (0 / 0
-/// when it is normalised) and, with gram_schmidt, none is zero once the ones before it are
-/// projected out.
+/// them (in `vectors`' dtype and device): their factors are finite and no normalised column is
+/// zero. So no column is zero or has a norm that under- or overflows the dtype, and with
+/// gram_schmidt none is zero once the ones before it are projected out.
 bool reflections_defined(const at::Tensor& vectors, bool gram_schmidt);
 
 }  // namespace detail

@@ -186,13 +186,16 @@ void save_delta_adapters(const torch::nn::Module& module, const std::string& pat
 /// Puts saved adapters onto `module`: each named layer must be a torch::nn::Linear (a fresh base)
 /// or a DeltaLinear with the saved in/out features. A DeltaLinear with the saved options (rank,
 /// reflections, core, alpha, gram_schmidt, train_base) takes the saved values in place: its
-/// parameters keep their identity, so an optimizer built over the model keeps training them. Any
+/// parameters keep their identity, so an optimizer built over the model keeps training them (their
+/// gradients are reset). Any
 /// other layer is replaced by a new DeltaLinear over its base; where that layer sits in a container
 /// that runs its own list of modules (torch::nn::Sequential, ModuleList, ModuleDict), which
 /// replace_module does not change, it is a c10::Error. Everything is checked first (names, shapes,
-/// dtypes, finite values, options, reflection and core vectors that define reflections: none
-/// zero, and with gram_schmidt none that is zero once the ones before it are projected out); on any
-/// error nothing is changed. Returns the adapters by name.
+/// dtypes, finite values, options, a name at most once, reflection and core vectors that define
+/// reflections: none zero or with a norm that under- or overflows, and with gram_schmidt none that
+/// is zero once the ones before it are projected out); on any error nothing is changed. The
+/// default CPU generator is left as it was (building a replacement draws start values that the
+/// saved ones overwrite). Returns the adapters by name.
 std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
     torch::nn::Module& module, torch::serialize::InputArchive& archive);
 std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(torch::nn::Module& module,
