@@ -3,7 +3,7 @@
 // a round alike. The ratio to at::_fused_adam_ is taken within each round, and the table reports
 // the median over rounds with the range.
 //
-//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4,5] [--floors 0|1]
+//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4,5,6] [--floors 0|1]
 //
 // --floors 1 (the default) adds three memory floors to workloads 0-2: loops that move a step's
 // bytes with next to no arithmetic (see FloorBuffers).
@@ -11,7 +11,8 @@
 // Workloads as in gwt_bench_step (benchmarks/workloads.h): 0 llama60m, 1 4096x4096,
 // 2 500x(64x64+64), 4 the main job's model (tiny preset), 5 llama60m in bfloat16 (parameters and
 // gradients; at::_fused_adam_ keeps its moments in bfloat16 too, WaveletAdam in float32 unless
-// state_dtype says bfloat16). On workload 4 the variants are those of
+// state_dtype says bfloat16), 6 llama60m in float16 (likewise; WaveletAdam's moments are float32,
+// as state_dtype offers no float16). On workload 4 the variants are those of
 // the main job's table: torch::optim::AdamW against WaveletAdam with the paper's groups (linear
 // weights of the blocks on the wavelet path, everything else dense), so that the optimizers' share
 // of its ms / step is measured without the forward and backward passes' run-to-run noise.
@@ -62,7 +63,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   int64_t rounds = 30;
-  std::vector<int> workloads = {0, 1, 2, 4, 5};
+  std::vector<int> workloads = {0, 1, 2, 4, 5, 6};
   bool floors = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
@@ -75,13 +76,19 @@ int main(int argc, char** argv) {
       std::stringstream in(value);
       std::string item;
       while (std::getline(in, item, ',')) workloads.push_back(std::stoi(item));
+      for (const int w : workloads) {
+        if (w < 0 || w > 6 || w == 3) {
+          std::fprintf(stderr, "gwt_bench_interleaved: workload %d: expected 0, 1, 2, 4, 5 or 6\n", w);
+          return 2;
+        }
+      }
     } else {
       std::fprintf(stderr, "gwt_bench_interleaved: unknown argument '%s'\n", flag.c_str());
       return 2;
     }
   }
-  const char* names[] = {"llama60m", "4096x4096",     "500x(64x64+64)",
-                         "",         "train_lm tiny", "llama60m bf16"};
+  const char* names[] = {"llama60m",      "4096x4096",     "500x(64x64+64)", "",
+                         "train_lm tiny", "llama60m bf16", "llama60m fp16"};
   std::printf(
       "| workload | variant | median ms / step | vs `at::_fused_adam_` (median of rounds) | "
       "range over rounds |\n|---|---|---:|---:|---:|\n");
@@ -151,7 +158,7 @@ int main(int argc, char** argv) {
             wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_step"));
       add("WaveletAdam db2 L=2",
           wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
-      if (floors && which != 5) {                             // (the floors move float32 values)
+      if (floors && which < 5) {                              // (the floors move float32 values)
         const auto shapes = gwt_bench::make_workload(which);  // each floor copies its own buffers
         auto one_pass =
             std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 4));

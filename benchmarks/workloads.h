@@ -15,8 +15,8 @@ namespace gwt_bench {
 /// 2048x5632 (1.03B values, 4 GB of fp32 parameters and 4 GB of gradients); (4) the parameters of
 /// the main job's model (examples/train_lm, preset "tiny": byte embedding and head 256x128, 4
 /// layers of q, k, v, o 128x128, gate and up 344x128, down 128x344 and two norms of 128, a final
-/// norm; 0.86M values); (5) the set of (0) in bfloat16. fp32 parameters (bfloat16 for 5) with fixed
-/// gradients of their type.
+/// norm; 0.86M values); (5) the set of (0) in bfloat16; (6) the set of (0) in float16. fp32
+/// parameters (bfloat16 for 5, float16 for 6) with fixed gradients of their type.
 /// Whether parameter i of workload 4 is a linear layer's weight inside a block: the tensors
 /// gwt::paper_param_groups puts in the wavelet group (embedding, head and norms stay dense).
 inline bool tiny_lm_wavelet_param(const std::vector<at::Tensor>& params, size_t i) {
@@ -26,7 +26,7 @@ inline bool tiny_lm_wavelet_param(const std::vector<at::Tensor>& params, size_t 
 inline std::vector<at::Tensor> make_workload(int which, const at::Device& device = at::kCPU) {
   at::manual_seed(0);
   std::vector<std::vector<int64_t>> shapes;
-  if (which == 0 || which == 5) {
+  if (which == 0 || which == 5 || which == 6) {
     for (int layer = 0; layer < 8; ++layer) {
       for (int i = 0; i < 4; ++i) shapes.push_back({512, 512});
       shapes.push_back({1376, 512});
@@ -60,7 +60,9 @@ inline std::vector<at::Tensor> make_workload(int which, const at::Device& device
   }
   std::vector<at::Tensor> params;
   for (const auto& s : shapes) {
-    const at::ScalarType dtype = which == 5 ? at::kBFloat16 : at::kFloat;
+    const at::ScalarType dtype = which == 5   ? at::kBFloat16
+                                 : which == 6 ? at::kHalf
+                                              : at::kFloat;
     at::Tensor p = (at::randn(s) * 0.02).to(device, dtype).requires_grad_(true);
     p.mutable_grad() = (at::randn(s) * 1e-3).to(device, dtype);
     params.push_back(p);

@@ -5,6 +5,10 @@
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +28,8 @@
 namespace gwt_test {
 void bf16_round_avx2(const float* in, uint16_t* out, size_t n);  // tests/bf16_avx2_probe.cpp
 void bf16_widen_avx2(const uint16_t* in, float* out, size_t n);
+void f16_round_avx2(const float* in, uint16_t* out, size_t n);
+void f16_widen_avx2(const uint16_t* in, float* out, size_t n);
 }  // namespace gwt_test
 #endif
 
@@ -254,6 +260,32 @@ TEST(Fused, ThresholdedDetailsMatchTheReference) {
     }
 }
 
+// Whether environment variable `name` is set and not "0" (GWT_NO_AVX2, GWT_NO_ROWS8).
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
+// Whether the CPU has F16C (CPUID leaf 1, ECX bit 29), which the kernels' float16 conversions use.
+bool cpu_has_f16c() {
+#if defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+#else
+  return false;
+#endif
+}
+
+// Whether the kernels run their AVX2 bodies here, as gwt::kernels decides (dispatch.h).
+bool avx2_bodies_run() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c() &&
+         !env_set("GWT_NO_AVX2");
+#else
+  return false;
+#endif
+}
+
 // The eight-lane body reads bfloat16 parameters, gradients and moments by widening them exactly and
 // stores them by rounding the float it computed: its float operations are those of a float32 step
 // on the same values, instruction for instruction. So one step from bfloat16 values (moments zero)
@@ -262,15 +294,8 @@ TEST(Fused, ThresholdedDetailsMatchTheReference) {
 // update using the moments before they are stored). Row counts are multiples of 8, so every row
 // takes that body; a machine without it (no AVX2, or GWT_NO_AVX2 / GWT_NO_ROWS8 set) skips.
 TEST(Fused, GeneralKernelRowGroupsInBFloat16AreTheFloat32StepRounded) {
-  const char* no_avx2 = std::getenv("GWT_NO_AVX2");
-  const char* no_rows8 = std::getenv("GWT_NO_ROWS8");
-  auto set = [](const char* v) { return v != nullptr && *v != '\0' && std::string(v) != "0"; };
-#if defined(__x86_64__)
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  const bool avx2 = false;
-#endif
-  if (!avx2 || set(no_avx2) || set(no_rows8)) GTEST_SKIP() << "the eight-lane body does not run";
+  if (!avx2_bodies_run() || env_set("GWT_NO_ROWS8"))
+    GTEST_SKIP() << "the eight-lane body does not run";
   for (const std::string wavelet : {"db2", "sym5"})
     for (const std::string boundary : {"zero", "symmetric", "periodization"})
       for (const std::vector<int64_t>& shape :
@@ -295,6 +320,43 @@ TEST(Fused, GeneralKernelRowGroupsInBFloat16AreTheFloat32StepRounded) {
                               state_of(f32).exp_avg_sq().to(at::kBFloat16)))
             << what;
       }
+}
+
+// float16 as bfloat16 above: the AVX2 bodies widen float16 values exactly and round on store as
+// c10::Half does (KernelSimd.HalfConversionsAreC10s), with float math, so one step from float16
+// values (moments float32, zero) gives the float32 step's parameters rounded and the same moments,
+// bit for bit: the Haar body (levels 1-3, 1-D and 2-D; lengths and heights multiples of 8 blocks,
+// so no element takes the plain loops' tail) and the eight-row body (rows a multiple of 8). ATen's
+// float-to-half cast rounds to nearest, ties to even, subnormals included, on every instruction set.
+TEST(Fused, AvxBodiesInFloat16GiveTheFloat32StepRounded) {
+  if (!avx2_bodies_run()) GTEST_SKIP() << "the AVX2 bodies do not run";
+  struct Case {
+    WaveletAdamOptions options;
+    std::vector<int64_t> shape;
+  };
+  std::vector<Case> cases;
+  for (int64_t level : {1, 2, 3}) {
+    const int64_t span = 8 << level;  // 8 blocks of 2^level
+    cases.push_back({base_options().level(level), {5, 2 * span}});
+    cases.push_back({base_options().level(level).transform("2d"), {span, 2 * span}});
+  }
+  if (!env_set("GWT_NO_ROWS8"))
+    for (const std::string wavelet : {"db2", "sym5"})
+      for (const std::string boundary : {"zero", "symmetric", "periodization"})
+        cases.push_back({base_options().wavelet(wavelet).boundary(boundary).level(2), {16, 100}});
+  for (const auto& c : cases) {
+    const std::string what = c.options.wavelet() + " L=" + std::to_string(c.options.level()) +
+                             " " + c.options.transform() + " " + c.options.boundary();
+    const at::Tensor init = at::randn(c.shape, at::kDouble).to(at::kHalf).to(at::kDouble);
+    const at::Tensor g = at::randn(c.shape, at::kDouble).to(at::kHalf).to(at::kDouble);
+    OptRun f32 = make_run(init, at::kFloat, WaveletAdamOptions(c.options).fused(true));
+    OptRun f16 = make_run(init, at::kHalf, WaveletAdamOptions(c.options).fused(true));
+    ASSERT_TRUE(f16.opt->is_fused_param(f16.param)) << what;
+    step(f32, g), step(f16, g);
+    EXPECT_TRUE(at::equal(f16.param.detach(), f32.param.detach().to(at::kHalf))) << what;
+    EXPECT_TRUE(at::equal(state_of(f16).exp_avg(), state_of(f32).exp_avg())) << what;
+    EXPECT_TRUE(at::equal(state_of(f16).exp_avg_sq(), state_of(f32).exp_avg_sq())) << what;
+  }
 }
 
 TEST(Fused, GeneralWaveletsInHalfPrecision) {
@@ -402,6 +464,77 @@ TEST(KernelSimd, BFloat16ConversionsAreC10s) {
   uint32_t first_mismatch = 0;
   for (size_t i = 0; i < floats.size(); ++i) {
     if (c10::BFloat16(floats[i]).x == rounded[i]) continue;
+    if (round_mismatches++ == 0) std::memcpy(&first_mismatch, &floats[i], sizeof first_mismatch);
+  }
+  EXPECT_EQ(round_mismatches, 0) << "first at float bits 0x" << std::hex << first_mismatch;
+#endif
+}
+
+// The same for float16 (f16_avx2.h: F16C's instructions, with c10's NaN), against c10::Half's
+// conversions, which are software in this file's build. Every float16 widens. Floats:
+// every upper half, each with the lower halves around every point where a float16 of normal range
+// rounds (multiples of 0x1000: below, at, above, which covers the ties) and 16 pseudo-random ones;
+// rounding points of subnormal results lie in the upper half, which is enumerated with the lower
+// halves 0, 1 and 0xFFFF among them. 4.2M floats. Where this file's c10 converts with F16C (a build
+// with -mf16c), a NaN keeps its payload there and becomes 0x7E00 in the kernels: NaNs then compare
+// by being NaN with the same sign.
+TEST(KernelSimd, HalfConversionsAreC10s) {
+#ifndef GWT_TEST_BF16_AVX2_PROBE
+  GTEST_SKIP() << "not an x86-64 build: no AVX2 conversions to check";
+#else
+  if (!__builtin_cpu_supports("avx2") || !cpu_has_f16c())
+    GTEST_SKIP() << "this CPU has no AVX2 or no F16C";
+#ifdef C10_X86_F16
+  constexpr bool c10_keeps_nan_payloads = true;
+#else
+  constexpr bool c10_keeps_nan_payloads = false;
+#endif
+  auto same_nan = [](uint32_t a, uint32_t b, uint32_t sign_bit, bool a_nan, bool b_nan) {
+    return a_nan && b_nan && (a & sign_bit) == (b & sign_bit);
+  };
+  std::vector<uint16_t> every(65536);
+  for (uint32_t u = 0; u < 65536; ++u) every[u] = static_cast<uint16_t>(u);
+  std::vector<float> widened(every.size());
+  gwt_test::f16_widen_avx2(every.data(), widened.data(), every.size());
+  int64_t widen_mismatches = 0;
+  for (uint32_t u = 0; u < 65536; ++u) {
+    const float expected = c10::Half(every[u], c10::Half::from_bits());
+    uint32_t e, w;
+    std::memcpy(&e, &expected, sizeof e), std::memcpy(&w, &widened[u], sizeof w);
+    if (e == w) continue;
+    widen_mismatches += !(c10_keeps_nan_payloads &&
+                          same_nan(e, w, 0x80000000u, std::isnan(expected), std::isnan(widened[u])));
+  }
+  EXPECT_EQ(widen_mismatches, 0);
+
+  std::vector<float> floats;
+  floats.reserve(65536 * 64);
+  auto push = [&floats](uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    floats.push_back(f);
+  };
+  uint32_t lcg = 20261206;
+  for (uint32_t high = 0; high < 65536; ++high) {
+    for (uint32_t point = 0; point < 0x10000; point += 0x1000)
+      for (uint32_t low : {point - 1, point, point + 1}) push(high << 16 | (low & 0xFFFF));
+    for (int k = 0; k < 16; ++k) {
+      lcg = lcg * 1664525u + 1013904223u;
+      push(high << 16 | lcg >> 16);
+    }
+  }
+  std::vector<uint16_t> rounded(floats.size());
+  gwt_test::f16_round_avx2(floats.data(), rounded.data(), floats.size());
+  int64_t round_mismatches = 0;
+  uint32_t first_mismatch = 0;
+  for (size_t i = 0; i < floats.size(); ++i) {
+    const c10::Half expected(floats[i]);
+    if (expected.x == rounded[i]) continue;
+    const bool result_nan = (rounded[i] & 0x7C00) == 0x7C00 && (rounded[i] & 0x03FF) != 0;
+    if (c10_keeps_nan_payloads &&
+        same_nan(expected.x, rounded[i], 0x8000u, std::isnan(static_cast<float>(expected)),
+                 result_nan))
+      continue;
     if (round_mismatches++ == 0) std::memcpy(&first_mismatch, &floats[i], sizeof first_mismatch);
   }
   EXPECT_EQ(round_mismatches, 0) << "first at float bits 0x" << std::hex << first_mismatch;

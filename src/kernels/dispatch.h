@@ -11,6 +11,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -21,14 +25,18 @@ namespace gwt {
 namespace kernels {
 namespace {
 
-/// Whether the CPU entries run the AVX2/FMA builds of the kernel bodies: the CPU has both, and the
-/// environment does not say GWT_NO_AVX2 (set and not "0"), which forces the baseline build, e.g.
-/// to test it on a machine with AVX2 (scripts/cpu_matrix.sh). Read once per process.
+/// Whether the CPU entries run the AVX2/FMA builds of the kernel bodies: the CPU has both, and
+/// F16C (float16 conversions, f16_avx2.h: every CPU with AVX2 has it, a virtual machine might hide
+/// it), and the environment does not say GWT_NO_AVX2 (set and not "0"), which forces the baseline
+/// build, e.g. to test it on a machine with AVX2 (scripts/cpu_matrix.sh). Read once per process.
 inline bool avx2_kernels_enabled() {
   static const bool enabled = [] {
 #if defined(__x86_64__) || defined(_M_X64)
     const char* off = std::getenv("GWT_NO_AVX2");
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+    // F16C by CPUID (leaf 1, ECX bit 29): clang's __builtin_cpu_supports does not know it.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c &&
            !(off != nullptr && *off != '\0' && std::string(off) != "0");
 #else
     return false;
@@ -88,14 +96,15 @@ auto with_grad_types(const HaarAdamArgs& args, Fn&& fn) {
   });
 }
 
-/// Adam's moments of one coefficient after this step, in the math type and rounded to S as they
-/// will be stored, so that the limiter and the update see what the next step will read.
-/// Whether every type is float or bfloat16: the tensors the AVX2 bodies read and write
+/// Whether every type is float, bfloat16 or float16: the tensors the AVX2 bodies read and write
 /// (values8_avx2.h), with the math in float.
 template <typename... T>
-constexpr bool k_float_or_bf16 = ((std::is_same_v<T, float> ||
-                                   std::is_same_v<T, c10::BFloat16>)&&...);
+constexpr bool k_avx2_value_types =
+    ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+      std::is_same_v<T, c10::Half>)&&...);
 
+/// Adam's moments of one coefficient after this step, in the math type and rounded to S as they
+/// will be stored, so that the limiter and the update see what the next step will read.
 template <typename S, typename Acc>
 struct NewMoments {
   Acc m, v;

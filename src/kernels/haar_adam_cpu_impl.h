@@ -40,10 +40,10 @@ class HaarAdam {
  public:
   using acc_t = Acc;
 #ifdef GWT_HAAR_SIMD
-  // float or bfloat16 parameters, gradients and moments, math in float, at level 1..3 take the
-  // AVX2 loops (haar_simd_avx2.h).
+  // float, bfloat16 or float16 parameters, gradients and moments, math in float, at level 1..3
+  // take the AVX2 loops (haar_simd_avx2.h).
   static constexpr bool k_simd =
-      k_float_or_bf16<P, G, S> && std::is_same_v<Acc, float> && (B == 2 || B == 4 || B == 8);
+      k_avx2_value_types<P, G, S> && std::is_same_v<Acc, float> && (B == 2 || B == 4 || B == 8);
 #else
   static constexpr bool k_simd = false;
 #endif

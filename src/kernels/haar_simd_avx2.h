@@ -2,10 +2,10 @@
 
 // AVX2/FMA building blocks of the fused Haar kernel, 8 approximation coefficients (8 blocks of
 // B = 2^level elements, level 1..3, in one row or, for the 2-D transform, in B rows) at a time.
-// Parameters, gradients and moments may each be float or bfloat16 (math in float: bfloat16 is
-// widened on load and rounded as c10 rounds it on store, load8/store8). Compiled only into the
-// AVX2 build of the body (haar_adam_cpu_avx2.cpp); the baseline build and every other type keep
-// the plain loops of haar_adam_cpu_impl.h, which the tests compare against.
+// Parameters, gradients and moments may each be float, bfloat16 or float16 (math in float: the
+// 16-bit types are widened on load and rounded as c10 rounds them on store, load8/store8).
+// Compiled only into the AVX2 build of the body (haar_adam_cpu_avx2.cpp); the baseline build and
+// every other type keep the plain loops of haar_adam_cpu_impl.h, which the tests compare against.
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define GWT_HAAR_SIMD 1

@@ -139,8 +139,8 @@ class GeneralAdam {
 
  private:
 #ifdef GWT_WAVELET_ROWS8
-  // float or bfloat16 parameters, gradients and moments, math in float.
-  static constexpr bool k_rows8 = k_float_or_bf16<P, G, S> && std::is_same_v<Acc, float>;
+  // float, bfloat16 or float16 parameters, gradients and moments, math in float.
+  static constexpr bool k_rows8 = k_avx2_value_types<P, G, S> && std::is_same_v<Acc, float>;
   // Scratch of the eight-lane body, one per thread, reused across steps and tensors.
   rows8::Scratch& group_scratch() const {
     thread_local rows8::Scratch scratch;

@@ -1,9 +1,9 @@
 #pragma once
 
 // The general WaveletAdam step of eight rows at once, one row per AVX2 lane (issue 15, item 2).
-// Parameters, gradients and moments are float32 or bfloat16, each on its own; the math is float32
-// (bfloat16 widened exactly on the way in, rounded as c10 rounds on the way out). Included by
-// wavelet_adam_cpu_impl.h in the AVX2 build only (GWT_WAVELET_ROWS8).
+// Parameters, gradients and moments are float32, bfloat16 or float16, each on its own; the math is
+// float32 (16-bit values widened exactly on the way in, rounded as c10 rounds on the way out).
+// Included by wavelet_adam_cpu_impl.h in the AVX2 build only (GWT_WAVELET_ROWS8).
 //
 // Why across rows: along one row the analysis reads every second sample (a stride-2 window per
 // output), which AVX2 can only feed with a shuffle per tap pair, and the edges of every level run
@@ -70,8 +70,8 @@ inline void transpose8(__m256 r[8]) {
 using values8::load8;
 using values8::store8;
 
-// out[8 i + l] = base[l * stride + i] for i in [0, len): eight rows (float or bfloat16) into the
-// interleaved layout, as floats.
+// out[8 i + l] = base[l * stride + i] for i in [0, len): eight rows (float, bfloat16 or float16)
+// into the interleaved layout, as floats.
 template <typename T>
 inline void interleave(const T* base, int64_t stride, int64_t len, float* out) {
   int64_t i = 0;
@@ -157,8 +157,8 @@ class Prefetcher {
   int rows_left_ = 0;
 };
 
-// P, G, S: the parameters', gradients' and moments' types, each float or c10::BFloat16; the math
-// is in float.
+// P, G, S: the parameters', gradients' and moments' types, each float, c10::BFloat16 or
+// c10::Half; the math is in float.
 template <typename P, typename G, typename S>
 class Rows8 {
  public:
@@ -293,7 +293,7 @@ class Rows8 {
 
   // One analysis level: coefficient o = sum_k x~[2o + offset + k] rec[k] (x~ the extended row).
   // ahead: lines to prefetch, one per interior output: eight rows of n floats are n / 2 lines
-  // (n / 4 of bfloat16, which then finish early), and level 1 has about n / 2 outputs.
+  // (n / 4 of 16-bit types, which then finish early), and level 1 has about n / 2 outputs.
   template <bool Details>
   void dwt_level(const float* x, int64_t n, float* approx, float* detail, Prefetcher* ahead) const {
     const int64_t len = dwt_coeff_len(n, f_.taps, f_.mode);
