@@ -266,15 +266,13 @@ bool env_set(const char* name) {
   return v != nullptr && *v != '\0' && std::string(v) != "0";
 }
 
+#if defined(__x86_64__)
 // Whether the CPU has F16C (CPUID leaf 1, ECX bit 29), which the kernels' float16 conversions use.
 bool cpu_has_f16c() {
-#if defined(__x86_64__)
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
-#else
-  return false;
-#endif
 }
+#endif
 
 // Whether the kernels run their AVX2 bodies here, as gwt::kernels decides (dispatch.h).
 bool avx2_bodies_run() {
@@ -325,7 +323,8 @@ TEST(Fused, GeneralKernelRowGroupsInBFloat16AreTheFloat32StepRounded) {
 // float16 as bfloat16 above: the AVX2 bodies widen float16 values exactly and round on store as
 // c10::Half does (KernelSimd.HalfConversionsAreC10s), with float math, so one step from float16
 // values (moments float32, zero) gives the float32 step's parameters rounded and the same moments,
-// bit for bit: the Haar body (levels 1-3, 1-D and 2-D; lengths and heights multiples of 8 blocks,
+// bit for bit, and so does the same gradient given in float32 (read as float32, exactly the same
+// values): the Haar body (levels 1-3, 1-D and 2-D; lengths and heights multiples of 8 blocks,
 // so no element takes the plain loops' tail) and the eight-row body (rows a multiple of 8). ATen's
 // float-to-half cast rounds to nearest, ties to even, subnormals included, on every instruction set.
 TEST(Fused, AvxBodiesInFloat16GiveTheFloat32StepRounded) {
@@ -351,11 +350,17 @@ TEST(Fused, AvxBodiesInFloat16GiveTheFloat32StepRounded) {
     const at::Tensor g = at::randn(c.shape, at::kDouble).to(at::kHalf).to(at::kDouble);
     OptRun f32 = make_run(init, at::kFloat, WaveletAdamOptions(c.options).fused(true));
     OptRun f16 = make_run(init, at::kHalf, WaveletAdamOptions(c.options).fused(true));
+    // The same float16 parameter with the same gradient in float32 (read as it is: grad_f32).
+    OptRun f16_g32 = make_run(init, at::kHalf, WaveletAdamOptions(c.options).fused(true));
     ASSERT_TRUE(f16.opt->is_fused_param(f16.param)) << what;
     step(f32, g), step(f16, g);
+    f16_g32.param.mutable_grad() = g.to(at::kFloat);
+    f16_g32.opt->step();
     EXPECT_TRUE(at::equal(f16.param.detach(), f32.param.detach().to(at::kHalf))) << what;
     EXPECT_TRUE(at::equal(state_of(f16).exp_avg(), state_of(f32).exp_avg())) << what;
     EXPECT_TRUE(at::equal(state_of(f16).exp_avg_sq(), state_of(f32).exp_avg_sq())) << what;
+    EXPECT_TRUE(at::equal(f16_g32.param.detach(), f16.param.detach())) << what << " grad_f32";
+    EXPECT_TRUE(at::equal(state_of(f16_g32).exp_avg(), state_of(f16).exp_avg())) << what;
   }
 }
 
@@ -472,19 +477,21 @@ TEST(KernelSimd, BFloat16ConversionsAreC10s) {
 
 // The same for float16 (f16_avx2.h: F16C's instructions, with c10's NaN), against c10::Half's
 // conversions, which are software in this file's build. Every float16 widens. Floats:
-// every upper half, each with the lower halves around every point where a float16 of normal range
-// rounds (multiples of 0x1000: below, at, above, which covers the ties) and 16 pseudo-random ones;
-// rounding points of subnormal results lie in the upper half, which is enumerated with the lower
-// halves 0, 1 and 0xFFFF among them. 4.2M floats. Where this file's c10 converts with F16C (a build
-// with -mf16c), a NaN keeps its payload there and becomes 0x7E00 in the kernels: NaNs then compare
-// by being NaN with the same sign.
+// every upper half, each with the lower halves around every multiple of 0x1000 (below, at, above)
+// and 16 pseudo-random ones. The rounding points (and ties) of normal-range results are multiples
+// of 0x2000 in the lower half; those of subnormal results are multiples of 0x4000 or 0x8000 there,
+// or lie in the upper half, which is enumerated with the lower halves 0, 1 and 0xFFFF among them.
+// 4.2M floats. Where this file is compiled with F16C (-mf16c, -march=native), c10 converts with
+// it, and a NaN keeps its payload there and becomes 0x7E00 in the kernels: NaNs then compare by
+// being NaN with the same sign. Both round in the default rounding mode (to nearest), which
+// nothing in torch or gwt changes.
 TEST(KernelSimd, HalfConversionsAreC10s) {
 #ifndef GWT_TEST_BF16_AVX2_PROBE
   GTEST_SKIP() << "not an x86-64 build: no AVX2 conversions to check";
 #else
   if (!__builtin_cpu_supports("avx2") || !cpu_has_f16c())
     GTEST_SKIP() << "this CPU has no AVX2 or no F16C";
-#ifdef C10_X86_F16
+#ifdef __F16C__  // (c10's own C10_X86_F16 is undefined again at the end of its Half.h)
   constexpr bool c10_keeps_nan_payloads = true;
 #else
   constexpr bool c10_keeps_nan_payloads = false;

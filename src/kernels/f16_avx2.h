@@ -7,8 +7,10 @@
 // c10::Half's inline conversions an F16C copy that the linker may keep for every caller (see
 // dispatch.h), and the assembler takes the instructions whatever the compiler's flags. Callers run
 // them only where the CPU has F16C (avx2_kernels_enabled() checks it). Both conversions round to
-// nearest, ties to even, as c10 does; they differ from c10 in one place, a NaN, which F16C narrows
-// with its payload truncated and c10 to 0x7E00 with its sign: store8 hands F16C c10's NaN instead.
+// nearest, ties to even, as c10 does in the default rounding mode (which nothing in torch or gwt
+// changes; DAZ and FTZ change neither); they differ from c10 in one place, a NaN, which F16C
+// narrows with its payload truncated and c10 to 0x7E00 with its sign: store8 hands F16C c10's NaN
+// instead.
 // Only for translation units compiled with -mavx2 (the kernels' AVX2 builds, and
 // tests/bf16_avx2_probe.cpp, which checks them against c10 for every float16 and a wide sample of
 // floats). Raw bits in and out, no c10 type, as bf16_avx2.h.
@@ -26,7 +28,7 @@ namespace {  // internal linkage: compiled for one instruction set only
 inline __m256 load8(const uint16_t* x) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   __m256 out;
-  asm("vcvtph2ps %1, %0" : "=x"(out) : "x"(h));
+  asm("vcvtph2ps {%1, %0|%0, %1}" : "=x"(out) : "x"(h));  // AT&T | Intel syntax
   return out;
 }
 
@@ -40,7 +42,7 @@ inline void store8(uint16_t* x, __m256 v) {
   const __m256 quiet_nan = _mm256_or_ps(sign, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)));
   const __m256 w = _mm256_blendv_ps(v, quiet_nan, nan);
   __m128i h;
-  asm("vcvtps2ph $0, %1, %0" : "=x"(h) : "x"(w));
+  asm("vcvtps2ph {$0, %1, %0|%0, %1, 0}" : "=x"(h) : "x"(w));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(x), h);
 }
 
