@@ -548,6 +548,50 @@ TEST(KernelSimd, HalfConversionsAreC10s) {
 #endif
 }
 
+// The finiteness check of the CPU kernels (gwt::kernels::all_finite_cpu: the step's check of the
+// reference path's gradients and of GaLore's) against ATen's isfinite, in every dtype it reads:
+// all finite (the largest finite value, subnormals and -0 among them), then NaN, +Inf and -Inf
+// alone at the first and last element and on both sides of a chunk boundary (chunks of 65536
+// values are checked in parallel), in lengths with and without a partial chunk or vector tail.
+TEST(WaveletAdamKernels, AllFiniteFindsEveryNonFiniteValueInEveryDtype) {
+  for (const auto dtype : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16}) {
+    const auto kind = dtype == at::kDouble  ? gwt::kernels::ScalarKind::f64
+                      : dtype == at::kFloat ? gwt::kernels::ScalarKind::f32
+                      : dtype == at::kHalf  ? gwt::kernels::ScalarKind::f16
+                                            : gwt::kernels::ScalarKind::bf16;
+    // The dtype's largest finite value and its smallest subnormal.
+    const std::pair<double, double> extremes =
+        dtype == at::kDouble ? std::make_pair(std::numeric_limits<double>::max(),
+                                              std::numeric_limits<double>::denorm_min())
+        : dtype == at::kFloat
+            ? std::make_pair(double{std::numeric_limits<float>::max()},
+                             double{std::numeric_limits<float>::denorm_min()})
+        : dtype == at::kHalf
+            ? std::make_pair(static_cast<double>(std::numeric_limits<c10::Half>::max()),
+                             static_cast<double>(std::numeric_limits<c10::Half>::denorm_min()))
+            : std::make_pair(static_cast<double>(std::numeric_limits<c10::BFloat16>::max()),
+                             static_cast<double>(std::numeric_limits<c10::BFloat16>::denorm_min()));
+    for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{65536}, int64_t{65537}, int64_t{200003}}) {
+      at::Tensor x = at::randn({n}, at::kDouble).to(dtype);
+      x[0] = -extremes.first;
+      if (n > 2) x[1] = -0.0, x[2] = extremes.second;
+      ASSERT_TRUE(at::isfinite(x).all().item<bool>());
+      EXPECT_TRUE(gwt::kernels::all_finite_cpu(x.data_ptr(), n, kind)) << dtype << " n " << n;
+      for (const double bad : {std::numeric_limits<double>::quiet_NaN(),
+                               std::numeric_limits<double>::infinity(),
+                               -std::numeric_limits<double>::infinity()})
+        for (const int64_t at : {int64_t{0}, n - 1, int64_t{65535}, int64_t{65536}}) {
+          if (at >= n) continue;
+          at::Tensor y = x.clone();
+          y[at] = bad;
+          ASSERT_FALSE(at::isfinite(y).all().item<bool>());
+          EXPECT_FALSE(gwt::kernels::all_finite_cpu(y.data_ptr(), n, kind))
+              << dtype << " n " << n << " " << bad << " at " << at;
+        }
+    }
+  }
+}
+
 TEST(Fused, ResultsDoNotDependOnTheThreadCount) {
   const int threads = at::get_num_threads();
   const at::Tensor init = at::randn({64, 4096}, at::kDouble);
