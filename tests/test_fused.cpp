@@ -326,7 +326,8 @@ TEST(Fused, GeneralKernelRowGroupsInBFloat16AreTheFloat32StepRounded) {
 // bit for bit, and so does the same gradient given in float32 (read as float32, exactly the same
 // values): the Haar body (levels 1-3, 1-D and 2-D; lengths and heights multiples of 8 blocks,
 // so no element takes the plain loops' tail) and the eight-row body (rows a multiple of 8). ATen's
-// float-to-half cast rounds to nearest, ties to even, subnormals included, on every instruction set.
+// float-to-half cast rounds to nearest, ties to even, subnormals included, on every instruction
+// set.
 TEST(Fused, AvxBodiesInFloat16GiveTheFloat32StepRounded) {
   if (!avx2_bodies_run()) GTEST_SKIP() << "the AVX2 bodies do not run";
   struct Case {
@@ -510,7 +511,8 @@ TEST(KernelSimd, HalfConversionsAreC10s) {
     std::memcpy(&e, &expected, sizeof e), std::memcpy(&w, &widened[u], sizeof w);
     if (e == w) continue;
     widen_mismatches += !(c10_keeps_nan_payloads &&
-                          same_nan(e, w, 0x80000000u, std::isnan(expected), std::isnan(widened[u])));
+                          same_nan(e, w, 0x80000000u, std::isnan(expected),
+                                   std::isnan(widened[u])));
   }
   EXPECT_EQ(widen_mismatches, 0);
 
@@ -550,9 +552,10 @@ TEST(KernelSimd, HalfConversionsAreC10s) {
 
 // The finiteness check of the CPU kernels (gwt::kernels::all_finite_cpu: the step's check of the
 // reference path's gradients and of GaLore's) against ATen's isfinite, in every dtype it reads:
-// all finite (the largest finite value, subnormals and -0 among them), then NaN, +Inf and -Inf
-// alone at the first and last element and on both sides of a chunk boundary (chunks of 65536
-// values are checked in parallel), in lengths with and without a partial chunk or vector tail.
+// all finite (the most negative finite value, the smallest subnormal and -0 among them), then
+// NaN of either sign, +Inf and -Inf alone at the first and last element, on both sides of the
+// first chunk boundary and inside the third chunk (chunks of 65536 values are checked in
+// parallel), in lengths with and without a partial chunk or vector tail.
 TEST(WaveletAdamKernels, AllFiniteFindsEveryNonFiniteValueInEveryDtype) {
   for (const auto dtype : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16}) {
     const auto kind = dtype == at::kDouble  ? gwt::kernels::ScalarKind::f64
@@ -571,22 +574,25 @@ TEST(WaveletAdamKernels, AllFiniteFindsEveryNonFiniteValueInEveryDtype) {
                              static_cast<double>(std::numeric_limits<c10::Half>::denorm_min()))
             : std::make_pair(static_cast<double>(std::numeric_limits<c10::BFloat16>::max()),
                              static_cast<double>(std::numeric_limits<c10::BFloat16>::denorm_min()));
-    for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{65536}, int64_t{65537}, int64_t{200003}}) {
+    for (const int64_t n :
+         {int64_t{1}, int64_t{7}, int64_t{65536}, int64_t{65537}, int64_t{200003}}) {
       at::Tensor x = at::randn({n}, at::kDouble).to(dtype);
       x[0] = -extremes.first;
       if (n > 2) x[1] = -0.0, x[2] = extremes.second;
       ASSERT_TRUE(at::isfinite(x).all().item<bool>());
       EXPECT_TRUE(gwt::kernels::all_finite_cpu(x.data_ptr(), n, kind)) << dtype << " n " << n;
       for (const double bad : {std::numeric_limits<double>::quiet_NaN(),
+                               -std::numeric_limits<double>::quiet_NaN(),
                                std::numeric_limits<double>::infinity(),
                                -std::numeric_limits<double>::infinity()})
-        for (const int64_t at : {int64_t{0}, n - 1, int64_t{65535}, int64_t{65536}}) {
-          if (at >= n) continue;
+        for (const int64_t pos :
+             {int64_t{0}, n - 1, int64_t{65535}, int64_t{65536}, int64_t{150001}}) {
+          if (pos >= n) continue;
           at::Tensor y = x.clone();
-          y[at] = bad;
+          y[pos] = bad;
           ASSERT_FALSE(at::isfinite(y).all().item<bool>());
           EXPECT_FALSE(gwt::kernels::all_finite_cpu(y.data_ptr(), n, kind))
-              << dtype << " n " << n << " " << bad << " at " << at;
+              << dtype << " n " << n << " " << bad << " at " << pos;
         }
     }
   }

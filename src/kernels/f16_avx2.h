@@ -3,8 +3,8 @@
 // float16 <-> float for 8 values in an AVX2 register, bit-identical to c10::Half's own conversions
 // as the library's translation units compile them (without F16C, c10 converts in software:
 // torch/headeronly/util/Half.h, fp16_ieee_to_fp32_value and fp16_ieee_from_fp32_value). The work is
-// done by F16C's two instructions, written as inline assembly: compiling with -mf16c would also give
-// c10::Half's inline conversions an F16C copy that the linker may keep for every caller (see
+// done by F16C's two instructions, written as inline assembly: compiling with -mf16c would also
+// give c10::Half's inline conversions an F16C copy that the linker may keep for every caller (see
 // dispatch.h), and the assembler takes the instructions whatever the compiler's flags. Callers run
 // them only where the CPU has F16C (avx2_kernels_enabled() checks it). Both conversions round to
 // nearest, ties to even, as c10 does in the default rounding mode (which nothing in torch or gwt
