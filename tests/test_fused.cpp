@@ -426,6 +426,36 @@ TEST(Fused, BFloat16StateHalvesTheStateAndStaysWithinTheRoundingBound) {
   EXPECT_EQ(opt.state_bytes(p), 2 * 64 * 16 * 2 + 4);  // bf16 moments + float limiter norm
 }
 
+#ifdef GWT_TEST_BF16_AVX2_PROBE
+// Every 16-bit pattern, 0 to 0xFFFF: every bfloat16 or float16.
+std::vector<uint16_t> every_16_bit_pattern() {
+  std::vector<uint16_t> every(65536);
+  for (uint32_t u = 0; u < 65536; ++u) every[u] = static_cast<uint16_t>(u);
+  return every;
+}
+
+// The floats the conversion tests round: every upper half of a float's bits, each with the given
+// lower halves and `random` pseudo-random ones (a fixed linear congruential sequence from seed).
+std::vector<float> floats_by_upper_half(const std::vector<uint32_t>& lows, int random,
+                                        uint32_t seed) {
+  std::vector<float> floats;
+  floats.reserve(65536 * (lows.size() + static_cast<size_t>(random)));
+  auto push = [&floats](uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    floats.push_back(f);
+  };
+  for (uint32_t high = 0; high < 65536; ++high) {
+    for (uint32_t low : lows) push(high << 16 | low);
+    for (int k = 0; k < random; ++k) {
+      seed = seed * 1664525u + 1013904223u;
+      push(high << 16 | seed >> 16);
+    }
+  }
+  return floats;
+}
+#endif
+
 // The AVX2 Haar loops store bfloat16 parameters and moments through bf16_avx2.h's rounding, the
 // plain loops (and the reference) through c10::BFloat16(float): the two must agree bit for bit on
 // every float, or the same step would round differently by CPU. Every bfloat16 widens; every upper
@@ -437,8 +467,7 @@ TEST(KernelSimd, BFloat16ConversionsAreC10s) {
   GTEST_SKIP() << "not an x86-64 build: no AVX2 conversions to check";
 #else
   if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
-  std::vector<uint16_t> every(65536);
-  for (uint32_t u = 0; u < 65536; ++u) every[u] = static_cast<uint16_t>(u);
+  const std::vector<uint16_t> every = every_16_bit_pattern();
   std::vector<float> widened(every.size());
   gwt_test::bf16_widen_avx2(every.data(), widened.data(), every.size());
   int64_t widen_mismatches = 0;
@@ -448,22 +477,8 @@ TEST(KernelSimd, BFloat16ConversionsAreC10s) {
   }
   EXPECT_EQ(widen_mismatches, 0);
 
-  const uint32_t deciding_lows[] = {0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF};
-  std::vector<float> floats;
-  floats.reserve(65536 * 64);
-  auto push = [&floats](uint32_t bits) {
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    floats.push_back(f);
-  };
-  uint32_t lcg = 20261205;
-  for (uint32_t high = 0; high < 65536; ++high) {
-    for (uint32_t low : deciding_lows) push(high << 16 | low);
-    for (int k = 0; k < 58; ++k) {
-      lcg = lcg * 1664525u + 1013904223u;
-      push(high << 16 | lcg >> 16);
-    }
-  }
+  const std::vector<float> floats =
+      floats_by_upper_half({0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF}, 58, 20261205);
   std::vector<uint16_t> rounded(floats.size());
   gwt_test::bf16_round_avx2(floats.data(), rounded.data(), floats.size());
   int64_t round_mismatches = 0;
@@ -500,8 +515,7 @@ TEST(KernelSimd, HalfConversionsAreC10s) {
   auto same_nan = [](uint32_t a, uint32_t b, uint32_t sign_bit, bool a_nan, bool b_nan) {
     return a_nan && b_nan && (a & sign_bit) == (b & sign_bit);
   };
-  std::vector<uint16_t> every(65536);
-  for (uint32_t u = 0; u < 65536; ++u) every[u] = static_cast<uint16_t>(u);
+  const std::vector<uint16_t> every = every_16_bit_pattern();
   std::vector<float> widened(every.size());
   gwt_test::f16_widen_avx2(every.data(), widened.data(), every.size());
   int64_t widen_mismatches = 0;
@@ -516,22 +530,10 @@ TEST(KernelSimd, HalfConversionsAreC10s) {
   }
   EXPECT_EQ(widen_mismatches, 0);
 
-  std::vector<float> floats;
-  floats.reserve(65536 * 64);
-  auto push = [&floats](uint32_t bits) {
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    floats.push_back(f);
-  };
-  uint32_t lcg = 20261206;
-  for (uint32_t high = 0; high < 65536; ++high) {
-    for (uint32_t point = 0; point < 0x10000; point += 0x1000)
-      for (uint32_t low : {point - 1, point, point + 1}) push(high << 16 | (low & 0xFFFF));
-    for (int k = 0; k < 16; ++k) {
-      lcg = lcg * 1664525u + 1013904223u;
-      push(high << 16 | lcg >> 16);
-    }
-  }
+  std::vector<uint32_t> around_points;  // below, at and above every multiple of 0x1000
+  for (uint32_t point = 0; point < 0x10000; point += 0x1000)
+    for (uint32_t low : {point - 1, point, point + 1}) around_points.push_back(low & 0xFFFF);
+  const std::vector<float> floats = floats_by_upper_half(around_points, 16, 20261206);
   std::vector<uint16_t> rounded(floats.size());
   gwt_test::f16_round_avx2(floats.data(), rounded.data(), floats.size());
   int64_t round_mismatches = 0;
