@@ -21,6 +21,7 @@
 #include <torch/serialize/input-archive.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -149,14 +150,48 @@ inline bool declares_large_record(const uint8_t* data, size_t size) {
   return false;
 }
 
+/// The names of the zip central-directory entries in `data` whose name ends in "pkl" in any case,
+/// without the entry's first directory (the archive's name, which the reader puts in front of every
+/// lookup), once per name up to case. Entries are found as declares_large_record finds them: every
+/// "PK\1\2" signature, a superset of the entries miniz can read.
+///
+/// Any case, because miniz looks names up without regard to case (mz_zip_reader_locate_file with no
+/// flags compares through MZ_TOLOWER): load_from's lookup of "data.pkl" reads an entry named
+/// "archive/data.pkL". A screen that took only names ending in "pkl" left that record unread: a
+/// hand-made input with a LONG_BINPUT of 4e9 there made LibTorch ask for 60 GiB (it is in
+/// fuzz/corpus/compression and fuzz/corpus/load). A CI run (fuzz_compression, 2026-12-06) had
+/// stopped on such an allocation after a bit flip; its input stayed on that machine.
+inline std::vector<std::string> pickle_entry_names(const uint8_t* data, size_t size) {
+  constexpr size_t k_header = 46;  // central directory file header, fixed part
+  std::vector<std::string> names;
+  std::unordered_set<std::string> seen;
+  for (size_t i = 0; i + k_header <= size; ++i) {
+    if (data[i] != 'P' || data[i + 1] != 'K' || data[i + 2] != 1 || data[i + 3] != 2) continue;
+    const size_t length = size_t{data[i + 28]} | size_t{data[i + 29]} << 8;
+    if (length > size - i - k_header) continue;  // runs past the input: miniz rejects it too
+    std::string name(reinterpret_cast<const char*>(data + i + k_header), length);
+    const size_t slash = name.find('/');
+    if (slash == std::string::npos) continue;  // outside any directory: no lookup reaches it
+    name.erase(0, slash + 1);
+    std::string lower = name;
+    for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (lower.size() < 3 || lower.compare(lower.size() - 3, 3, "pkl") != 0) continue;
+    if (seen.insert(lower).second) names.push_back(std::move(name));
+  }
+  return names;
+}
+
 /// Whether any record of the archive in `data` declares more than 64 MiB, or any pickle record
-/// fails pickle_stream_out_of_range: data.pkl, constants.pkl and the code's *.debug_pkl (by
-/// listing, or where a damaged entry name makes the listing throw while load_from still reads the
-/// records it needs, by the names gwt's checkpoints use). Bytes that are not a zip archive LibTorch
-/// opens say no: load_from rejects them itself.
+/// fails pickle_stream_out_of_range: every entry pickle_entry_names gives (data.pkl, constants.pkl
+/// and the code's *.debug_pkl, whatever their case), looked up through the reader load_from uses.
+/// Bytes that are not a zip archive LibTorch opens say no: load_from rejects them itself.
 ///
 /// Record sizes are declares_large_record's: it runs before any reader opens, and every size a
 /// reader reports comes from an entry it has read. So only pickle records are looked up here.
+///
+/// The names come from the bytes, not from the reader's listing: getAllRecords throws on an entry
+/// outside the archive's directory (compared with case) while load_from still reads the records it
+/// needs, and it cuts names at 512 bytes.
 ///
 /// A record whose lookup throws is looked up once more. The reader keeps miniz's last error, and a
 /// call that does not check it can leave it set (getRecordSize of an entry with an unknown
@@ -173,17 +208,8 @@ inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
   } catch (const std::exception&) {
     return false;
   }
-  std::vector<std::string> names;
-  try {
-    names = reader->getAllRecords();
-  } catch (const std::exception&) {
-    names = {"data.pkl", "constants.pkl", "code/__torch__.py.debug_pkl"};
-    for (int i = 0; i < 64; ++i)
-      names.push_back("code/__torch__/___torch_mangle_" + std::to_string(i) + ".py.debug_pkl");
-  }
   // 1: out of range; 0: not; -1: the reader threw.
   auto check = [&](const std::string& name) -> int {
-    if (name.size() < 3 || name.compare(name.size() - 3, 3, "pkl") != 0) return 0;
     try {
       if (!reader->hasRecord(name)) return 0;
       const auto [ptr, bytes] = reader->getRecord(name);
@@ -192,7 +218,7 @@ inline bool pickle_lengths_out_of_range(const uint8_t* data, size_t size) {
       return -1;
     }
   };
-  for (const auto& name : names) {
+  for (const auto& name : pickle_entry_names(data, size)) {
     int verdict = check(name);
     if (verdict < 0) verdict = check(name);  // a stale error, now cleared, or the record's own
     if (verdict > 0) return true;
