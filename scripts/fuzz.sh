@@ -8,9 +8,9 @@
 # One line per target (executions, rate, crashes) and a total; exits non-zero if any target
 # crashed (the input is kept as fuzz/crashes/<target>-crash-*, reproduce it with
 # build-fuzz/fuzz/gwt_fuzz_<target> <file>) or could not run. A crash inside LibTorch's archive
-# reader before any gwt code ran (scripts/fuzz_crash_origin.sh, on a replay of the input) is
-# reported with its input and does not count; the target goes on with the next seed. A fourth
-# in one target does count: the screen of fuzz/libtorch_guard.h would then need mending.
+# reader before any gwt code saw the input (scripts/fuzz_crash_origin.sh, on a replay of the
+# input) is reported with its input and does not count; the target goes on with the next seed. A
+# fourth in one target does count: the screen of fuzz/libtorch_guard.h would then need mending.
 #
 # Environment: GWT_FUZZ_BUILD (build dir, default build-fuzz), GWT_JOBS (build jobs),
 # GWT_FUZZ_RUNS=N (also stop a target after N executions, whichever of the two comes first),
@@ -31,6 +31,9 @@ targets=("$@")
 for t in "${targets[@]}"; do
   [[ " ${all_targets[*]} " == *" $t "* ]] || { echo "scripts/fuzz.sh: unknown target '$t'" >&2; usage; }
 done
+# libFuzzer takes -seed=0 as "draw one".
+[[ -z "${GWT_FUZZ_SEED:-}" || "$GWT_FUZZ_SEED" =~ ^[1-9][0-9]{0,8}$ ]] \
+  || { echo "scripts/fuzz.sh: GWT_FUZZ_SEED must be a whole number from 1 to 999999999" >&2; exit 2; }
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=setup.sh
@@ -91,7 +94,7 @@ for t in "${targets[@]}"; do
   [[ -d "$root/fuzz/corpus/$t" ]] && cp "$root/fuzz/corpus/$t/"* "$corpus/" 2>/dev/null || true
   seeds=$(find "$corpus" -type f | wc -l)
   t_start=$(date +%s)
-  execs=0 rate="" seed="" crashes=0 libtorch=0 rc=0 part=0
+  execs=0 seed="" crashes=0 libtorch=0 rc=0 part=0
   # libFuzzer stops at the first crash (or timeout, or out-of-memory) and exits non-zero. A crash
   # inside LibTorch's archive reader, before any gwt code saw the input (scripts/fuzz_crash_origin.sh
   # says "libtorch"), is reported with its input kept, and the target goes on for the rest of its
@@ -115,27 +118,28 @@ for t in "${targets[@]}"; do
       -timeout=10 -rss_limit_mb=4096 \
       -print_final_stats=1 -artifact_prefix="$crashes_dir/$t-" "$corpus" >"$log" || rc=$?
     part_execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -1)
-    rate=$(sed -n 's/^stat::average_exec_per_sec: *\([0-9]*\).*/\1/p' "$log" | tail -1)
     [[ -z "$seed" ]] && seed=$(sed -n 's/^INFO: Seed: *\([0-9]*\).*/\1/p' "$log" | head -1)
     execs=$((execs + ${part_execs:-0}))
     grep -h '^gwt fuzz note' "$log" | sed 's/^/  /' || true
     [[ $rc -eq 0 && -n "$part_execs" ]] && break
     input=$(grep -h 'Test unit written to' "$log" | sed 's/.*written to //' | tail -1 || true)
-    # Whose code crashed is read from a replay of the input alone with the slow unwinder: the
-    # report of an allocation the sanitizer could not serve carries the stack taken at malloc,
-    # which the default fast unwinder cuts at the first library built without frame pointers
-    # (LibTorch), too short to tell who called it.
+    # Whose code crashed is read from a replay of the input alone, with the stacks of allocations
+    # unwound the slow way: AddressSanitizer's report of an allocation it could not serve carries
+    # the stack taken at malloc, which the default fast unwinder cuts at the first library built
+    # without frame pointers (LibTorch), too short to tell who called it (measured: two frames,
+    # operator new and the unpickler, against 20 in the replay). A replay that does not crash
+    # again, or a judge that fails, says gwt.
     origin=gwt
     if [[ $rc -ne 0 && -n "$input" && -f "$input" ]]; then
-      ASAN_OPTIONS="$ASAN_OPTIONS:fast_unwind_on_malloc=0:fast_unwind_on_fatal=0" run_quietly \
+      ASAN_OPTIONS="$ASAN_OPTIONS:fast_unwind_on_malloc=0" run_quietly \
         "$build/fuzz/gwt_fuzz_$t" -timeout=10 -rss_limit_mb=4096 "$input" >"$log.replay" || true
-      origin=$("$root/scripts/fuzz_crash_origin.sh" "$log.replay")
+      origin=$("$root/scripts/fuzz_crash_origin.sh" "$log.replay") || origin=gwt
     fi
     if [[ $origin == libtorch && $libtorch -lt $max_libtorch ]]; then
       libtorch=$((libtorch + 1))
       next="a drawn seed"
       [[ -n "$part_seed" ]] && next="seed $((part_seed + 1))"
-      echo "fuzz $t: a LibTorch defect after $execs executions, inside load_from before any gwt code" \
+      echo "fuzz $t: a LibTorch defect after $execs executions, inside load_from before gwt saw the input" \
            "(scripts/fuzz_crash_origin.sh; not counted as a crash); going on with $next. Its report:"
       grep -m1 -E 'ERROR: |runtime error: ' "$log.replay" | sed 's/^/  | /' || true
       grep -E '^ *#[0-9]+ 0x[0-9a-f]+ in ' "$log.replay" | grep -m4 -E 'torch::|caffe2::' \
@@ -154,7 +158,12 @@ for t in "${targets[@]}"; do
   done
   units=$(find "$corpus" -type f | wc -l)
   if [[ $crashes -eq 0 ]]; then
-    echo "fuzz $t: $execs executions in $(( $(date +%s) - t_start )) s (${rate:-?}/s, seed ${seed:-?}), 0 crashes, $libtorch LibTorch defects, corpus $seeds -> $units inputs"
+    elapsed=$(( $(date +%s) - t_start ))
+    seeds_used="seed ${seed:-?}"
+    [[ $libtorch -gt 0 && -n "${GWT_FUZZ_SEED:-}" ]] && seeds_used="seeds $GWT_FUZZ_SEED-$part_seed"
+    [[ $libtorch -gt 0 && -z "${GWT_FUZZ_SEED:-}" ]] && seeds_used="first seed ${seed:-?}"
+    echo "fuzz $t: $execs executions in $elapsed s ($((execs / (elapsed > 0 ? elapsed : 1)))/s," \
+         "$seeds_used), 0 crashes, $libtorch LibTorch defects, corpus $seeds -> $units inputs"
   fi
   total_execs=$((total_execs + execs))
   total_crashes=$((total_crashes + crashes))

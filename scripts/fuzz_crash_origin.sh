@@ -3,46 +3,68 @@
 #
 #   scripts/fuzz_crash_origin.sh LOG
 #
-# "libtorch": the report's stack (the first one after its last "ERROR:" or "runtime error:" line)
-# runs through torch::serialize::InputArchive::load_from, called straight from the harness's
-# gwt_fuzz::read_archive (fuzz/libtorch_guard.h), with no gwt or gwt_fuzz function between the
-# crashing frame and load_from. Such a crash happened inside LibTorch's archive reader, on bytes
-# that no gwt code had yet seen (gwt's load() receives the InputArchive that load_from built): a
-# LibTorch defect the harness's screen did not foresee, as README "Reliability" describes.
-# Everything else is "gwt": any gwt frame under load_from, a report without a stack, a crash
-# anywhere else (gwt's code, the harness, LibTorch called from gwt's code).
+# "libtorch": the crash stack (the first stack after the report's last "ERROR:" or "runtime
+# error:" line) runs through torch::serialize::InputArchive::load_from, called by the harness's
+# gwt_fuzz::read_archive (fuzz/libtorch_guard.h) straight from LLVMFuzzerTestOneInput, and every
+# frame beneath load_from is named and belongs to LibTorch, the C++ library or the sanitizer and
+# fuzzer runtimes (an allow-list of name prefixes). Such a crash happened inside LibTorch's archive
+# reader, on bytes that no gwt code had yet seen (gwt's load() receives the InputArchive that
+# load_from built): a LibTorch defect the harness's screen did not foresee, as README
+# "Reliability" describes.
+#
+# Everything else is "gwt", the verdict that fails a run: any frame beneath load_from that is gwt's,
+# in an anonymous namespace or unnamed; a report without a stack; an out-of-memory on the RSS limit
+# (libFuzzer then prints where the largest live allocations were made, not what was running); a
+# crash anywhere else (gwt's code, the harness, LibTorch called from gwt's code).
 set -euo pipefail
 [[ $# -eq 1 && -r "$1" ]] || { echo "usage: scripts/fuzz_crash_origin.sh LOG" >&2; exit 2; }
 
 awk '
-  # Frames of the stack that follows the last error line, as function names (the text after
-  # " in " up to the argument list).
-  /ERROR: |runtime error: / { n = 0; in_stack = 0; collecting = 1; next }
-  # Frame lines as the sanitizers print them ("    #3 0x55d0 in name(args) file:line"), also
-  # with the "  | " that scripts/fuzz.sh puts before a quoted log.
-  collecting && /^[ |]*#[0-9]+ 0x[0-9a-f]+ in / {
-    line = $0
-    sub(/^[ |]*#[0-9]+ 0x[0-9a-f]+ in /, "", line)
-    paren = index(line, "(")
-    name = paren > 0 ? substr(line, 1, paren - 1) : line
-    frames[n++] = name
-    in_stack = 1
+  # A frame line as the sanitizers print it: "    #3 0x55d0 in name(args) file:line", or without
+  # " in name" where there is no symbol; also with the "  | " that scripts/fuzz.sh puts before a
+  # quoted log. The name is what follows " in " up to the argument list, or up to the source
+  # path where there is no argument list ("LLVMFuzzerTestOneInput /src/fuzz/x.cpp:9:3"); "?" where
+  # there is no name.
+  function frame_name(line,    cut) {
+    if (line !~ /^[ |]*#[0-9]+ 0x[0-9a-fA-F]+ in /) return "?"
+    sub(/^[ |]*#[0-9]+ 0x[0-9a-fA-F]+ in /, "", line)
+    cut = index(line, "(")
+    if (cut > 0) line = substr(line, 1, cut - 1)
+    cut = index(line, " /")
+    if (cut > 0) line = substr(line, 1, cut - 1)
+    sub(/ +$/, "", line)
+    return line == "" ? "?" : line
+  }
+  # Whether a frame beneath load_from is LibTorch, the C++ library or a runtime: its name, past a
+  # leading return type of plain words, starts with one of these.
+  function allowed(name) {
+    while (name ~ /^(void|bool|char|int|long|unsigned|short|float|double|auto|const|static) /)
+      sub(/^[a-z]+ /, "", name)
+    return name ~ /^(torch::|c10::|at::|caffe2::|std::|__gnu_cxx::|__cxxabiv1::|operator (new|delete)|mz_|tdefl_|tinfl_|(__interceptor_|__libc_)?(malloc|calloc|realloc|free|posix_memalign|memalign|aligned_alloc|memcpy|memmove|memset)$|__asan|__sanitizer|__lsan|__ubsan|fuzzer::|raise$|abort$|gsignal$)/
+  }
+  /ERROR: |runtime error: / {
+    n = 0; in_stack = 0; collecting = 1
+    rss = ($0 ~ /out-of-memory \(used:/)
     next
   }
+  collecting && /^[ |]*#[0-9]+ 0x/ { frames[n++] = frame_name($0); in_stack = 1; next }
   collecting && in_stack { collecting = 0 }
   END {
     verdict = "gwt"
-    seen_load = 0
-    for (i = 0; i < n; ++i) {
-      f = frames[i]
-      if (f ~ /torch::serialize::InputArchive::load_from/) { seen_load = 1; continue }
-      if (!seen_load) {
-        if (f ~ /(^|[^A-Za-z0-9_])gwt(_fuzz)?::/ || f ~ /LLVMFuzzerTestOneInput/) break
-        continue
+    load = "torch::serialize::InputArchive::load_from"
+    i = 0
+    if (!rss) {
+      # Beneath load_from: only allowed frames.
+      while (i < n && frames[i] != load && frames[i] !~ /(^|[^A-Za-z0-9_])gwt(_fuzz)?::/ &&
+             allowed(frames[i]))
+        ++i
+      # Then load_from (inlined parts may repeat it), the harness and its caller.
+      if (i < n && frames[i] == load) {
+        while (i < n && frames[i] == load) ++i
+        if (i + 1 < n && frames[i] == "gwt_fuzz::read_archive" &&
+            frames[i + 1] == "LLVMFuzzerTestOneInput")
+          verdict = "libtorch"
       }
-      # The first frame above load_from: the harness reading the archive, nothing else.
-      if (f ~ /^gwt_fuzz::read_archive/) verdict = "libtorch"
-      break
     }
     print verdict
   }
