@@ -14,12 +14,15 @@
 #
 # Environment: GWT_FUZZ_BUILD (build dir, default build-fuzz), GWT_JOBS (build jobs),
 # GWT_FUZZ_RUNS=N (also stop a target after N executions, whichever of the two comes first),
-# GWT_FUZZ_SEED=N (libFuzzer's -seed: the same seed, corpus and binary start with the same
-# inputs, but a run is not reproducible past a few hundred mutations: two runs of `step` with
-# one seed and corpus parted at execution 4,735 of 6,000, with ASLR off too; unset, each run
-# draws a seed and explores new inputs, which is what a developer's run is for),
+# GWT_FUZZ_SEED=N (libFuzzer's -seed: the same seed, corpus and binary replay the same inputs in
+# the same order, on any x86 machine with AVX2 and from any clone, as long as the run ends by
+# GWT_FUZZ_RUNS rather than SECONDS (see below); so a gate that runs a fixed number of executions
+# passes wherever the same command passed before the commit; unset, each run draws a seed and
+# explores new inputs, which is what a developer's run is for),
 # GWT_FUZZ_MERGE=1 (merge the inputs that found new coverage back into fuzz/corpus/<target>),
-# GWT_FUZZ_NOTES=<dir> (inputs of the targets' notes, see fuzz/fuzz_util.h).
+# GWT_FUZZ_NOTES=<dir> (inputs of the targets' notes, see fuzz/fuzz_util.h),
+# GWT_FUZZ_LOGS=<dir> (keep libFuzzer's logs there, <target>.<part>.log: two runs of one seed can
+# be compared line for line).
 set -euo pipefail
 
 usage() { echo "usage: scripts/fuzz.sh SECONDS [transform|step|galore|load|compression|adapters ...]" >&2; exit 2; }
@@ -61,11 +64,45 @@ echo "fuzz: built in $(($(date +%s) - start)) s ($build)"
 # leak checking would only report those. A huge allocation is an error the code must handle
 # (c10::Error from LibTorch's allocator), not an abort.
 export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1:${ASAN_OPTIONS:-}"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$root/fuzz/ubsan.supp:${UBSAN_OPTIONS:-}"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=fuzz/ubsan.supp:${UBSAN_OPTIONS:-}"
 symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || true)"
-[[ -n "$symbolizer" ]] && export ASAN_SYMBOLIZER_PATH="$symbolizer"
+
+# The targets run so that a seed replays a run input for input, on any machine of this kind (x86
+# with AVX2) and from any clone: two runs of `step` (9,000 executions) agreed line for line only
+# with all of the following, and parted at some point with any one left out
+# (docs/reliability.md, "A fuzzing run that replays"):
+# - the fuzzer runs in the repository's root with relative paths (binary, crash prefix, UBSan's
+#   suppressions) and a corpus directory whose path has a fixed length: a path's length moves the
+#   heap, LibTorch's optimizers keep state in maps keyed by addresses, and the coverage sees how
+#   those maps probe;
+# - a fixed environment (env -i), for the same reason;
+# - no address randomisation (setarch -R), where the kernel allows it;
+# - MKL and ATen on fixed code paths (MKL_CBWR=COMPATIBLE; ATEN_CPU_CAPABILITY=avx2 where the CPU
+#   has AVX2), so that results, and the branches gwt takes on them, do not depend on the CPU or
+#   on the data's alignment;
+# - libFuzzer's -reload=0: it otherwise re-reads its corpus directory every second and runs what
+#   it finds there, at moments that depend on the machine's speed;
+# - a number of executions (GWT_FUZZ_RUNS) rather than seconds as the limit.
 # One thread: executions stay small, and the CPU goes to the fuzzer loop.
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+fuzz_env=(LANG=C LC_ALL=C PATH=/usr/bin:/bin "ASAN_OPTIONS=$ASAN_OPTIONS"
+          "UBSAN_OPTIONS=$UBSAN_OPTIONS" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 MKL_CBWR=COMPATIBLE)
+[[ -n "$symbolizer" ]] && fuzz_env+=("ASAN_SYMBOLIZER_PATH=$symbolizer")
+grep -qw avx2 /proc/cpuinfo 2>/dev/null && fuzz_env+=(ATEN_CPU_CAPABILITY=avx2)
+[[ -n "${GWT_FUZZ_NOTES:-}" ]] && fuzz_env+=("GWT_FUZZ_NOTES=$GWT_FUZZ_NOTES")
+no_aslr=()
+if setarch "$(uname -m)" -R true 2>/dev/null; then
+  no_aslr=(setarch "$(uname -m)" -R)
+else
+  echo "fuzz: setarch -R is not allowed here: addresses are randomised, and a seed does not replay a run"
+fi
+# The build directory as the fuzzer is called: relative to the root where it lies inside it.
+build_call="$build"
+[[ "$build" == "$root"/* ]] && build_call="${build#"$root"/}"
+# Runs target $1 with the rest as libFuzzer's arguments, as described above.
+fuzzer() {
+  local target="$1"; shift
+  (cd "$root" && env -i "${fuzz_env[@]}" "${no_aslr[@]}" "$build_call/fuzz/gwt_fuzz_$target" "$@")
+}
 
 crashes_dir="$root/fuzz/crashes"
 mkdir -p "$crashes_dir"
@@ -113,16 +150,17 @@ for t in "${targets[@]}"; do
     part_seed=""
     [[ -n "${GWT_FUZZ_SEED:-}" ]] && part_seed=$((GWT_FUZZ_SEED + part - 1))
     rc=0
-    run_quietly "$build/fuzz/gwt_fuzz_$t" -max_total_time="$left" ${runs_left:+-runs=$runs_left} \
-      ${part_seed:+-seed=$part_seed} \
+    run_quietly fuzzer "$t" -max_total_time="$left" ${runs_left:+-runs=$runs_left} \
+      ${part_seed:+-seed=$part_seed} -reload=0 \
       -timeout=10 -rss_limit_mb=4096 \
-      -print_final_stats=1 -artifact_prefix="$crashes_dir/$t-" "$corpus" >"$log" || rc=$?
+      -print_final_stats=1 -artifact_prefix="fuzz/crashes/$t-" "$corpus" >"$log" || rc=$?
     part_execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -1)
     [[ -z "$seed" ]] && seed=$(sed -n 's/^INFO: Seed: *\([0-9]*\).*/\1/p' "$log" | head -1)
     execs=$((execs + ${part_execs:-0}))
     grep -h '^gwt fuzz note' "$log" | sed 's/^/  /' || true
     [[ $rc -eq 0 && -n "$part_execs" ]] && break
     input=$(grep -h 'Test unit written to' "$log" | sed 's/.*written to //' | tail -1 || true)
+    [[ -n "$input" && "$input" != /* ]] && input="$root/$input"
     # Whose code crashed is read from a replay of the input alone, with the stacks of allocations
     # unwound the slow way: AddressSanitizer's report of an allocation it could not serve carries
     # the stack taken at malloc, which the default fast unwinder cuts at the first library built
@@ -131,8 +169,8 @@ for t in "${targets[@]}"; do
     # again, or a judge that fails, says gwt.
     origin=gwt
     if [[ $rc -ne 0 && -n "$input" && -f "$input" ]]; then
-      ASAN_OPTIONS="$ASAN_OPTIONS:fast_unwind_on_malloc=0" run_quietly \
-        "$build/fuzz/gwt_fuzz_$t" -timeout=10 -rss_limit_mb=4096 "$input" >"$log.replay" || true
+      (fuzz_env+=("ASAN_OPTIONS=$ASAN_OPTIONS:fast_unwind_on_malloc=0")
+       run_quietly fuzzer "$t" -timeout=10 -rss_limit_mb=4096 "$input" >"$log.replay") || true
       origin=$("$root/scripts/fuzz_crash_origin.sh" "$log.replay") || origin=gwt
     fi
     if [[ $origin == libtorch && $libtorch -lt $max_libtorch ]]; then
@@ -157,6 +195,9 @@ for t in "${targets[@]}"; do
     break
   done
   units=$(find "$corpus" -type f | wc -l)
+  if [[ -n "${GWT_FUZZ_LOGS:-}" ]]; then
+    mkdir -p "$GWT_FUZZ_LOGS" && cp "$work/$t".*.log "$GWT_FUZZ_LOGS/"
+  fi
   if [[ $crashes -eq 0 ]]; then
     elapsed=$(( $(date +%s) - t_start ))
     seeds_used="seed ${seed:-?}"
@@ -170,7 +211,7 @@ for t in "${targets[@]}"; do
   total_libtorch=$((total_libtorch + libtorch))
   if [[ "${GWT_FUZZ_MERGE:-0}" == 1 && $crashes -eq 0 ]]; then
     mkdir -p "$root/fuzz/corpus/$t"
-    "$build/fuzz/gwt_fuzz_$t" -merge=1 "$root/fuzz/corpus/$t" "$corpus" >"$work/$t.merge.log" 2>&1 \
+    fuzzer "$t" -merge=1 "$root/fuzz/corpus/$t" "$corpus" >"$work/$t.merge.log" 2>&1 \
       || { echo "fuzz $t: merge failed"; tail -20 "$work/$t.merge.log"; failed=1; }
   fi
 done
