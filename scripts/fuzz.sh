@@ -68,9 +68,8 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=fuzz/ubsan
 symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || true)"
 
 # The targets run so that a seed replays a run input for input, on any machine of this kind (x86
-# with AVX2) and from any clone: two runs of `step` (9,000 executions) agreed line for line only
-# with all of the following, and parted at some point with any one left out
-# (docs/reliability.md, "A fuzzing run that replays"):
+# with AVX2) and from any clone (docs/fuzzing.md: runs parted with each of the first four below
+# left out, and agreed line for line with all of them, also from another clone):
 # - the fuzzer runs in the repository's root with relative paths (binary, crash prefix, UBSan's
 #   suppressions) and a corpus directory whose path has a fixed length: a path's length moves the
 #   heap, LibTorch's optimizers keep state in maps keyed by addresses, and the coverage sees how
