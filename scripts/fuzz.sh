@@ -94,6 +94,17 @@ if setarch "$(uname -m)" -R true 2>/dev/null; then
 else
   echo "fuzz: setarch -R is not allowed here: addresses are randomised, and a seed does not replay a run"
 fi
+# The same binary, too: with scripts/setup.sh's CCACHE_BASEDIR the compiler sees relative source
+# paths, so the binary does not depend on where the clone lies; an object built with absolute
+# paths (a build directory older than that setting) puts the clone's path into __FILE__ strings,
+# and their lengths move the heap as a path's do.
+for t in "${targets[@]}"; do
+  if grep -qaF "$root/src/" "$build/fuzz/gwt_fuzz_$t"; then
+    echo "fuzz: $build/fuzz/gwt_fuzz_$t holds this clone's path ($root/src/...): a seed replays its" \
+         "runs only here; remove $build and run again for a build that replays anywhere"
+    break
+  fi
+done
 # The build directory as the fuzzer is called: relative to the root where it lies inside it.
 build_call="$build"
 [[ "$build" == "$root"/* ]] && build_call="${build#"$root"/}"
