@@ -47,6 +47,7 @@ gwt_setup clang libclang-rt-14-dev llvm-14
 
 build="${GWT_FUZZ_BUILD:-$root/build-fuzz}"
 mkdir -p "$build"
+build="$(cd "$build" && pwd)"  # absolute: the fuzzer runs in the root (below)
 start=$(date +%s)
 if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_COMPILER=clang++ "-DTorch_DIR=$GWT_TORCH_DIR" -DGWT_BUILD_FUZZERS=ON \
@@ -66,19 +67,22 @@ echo "fuzz: built in $(($(date +%s) - start)) s ($build)"
 export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=fuzz/ubsan.supp:${UBSAN_OPTIONS:-}"
 symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || true)"
+[[ -n "$symbolizer" ]] && symbolizer="$(readlink -f "$symbolizer")"  # one path, whatever PATH says
 
-# The targets run so that a seed replays a run input for input, on any machine of this kind (x86
-# with AVX2) and from any clone (docs/fuzzing.md: runs parted with each of the first four below
-# left out, and agreed line for line with all of them, also from another clone):
+# The targets run so that a seed replays a run input for input from any clone, on a machine with
+# the same CPU model, the same LibTorch at the same path and the same compiler (docs/fuzzing.md:
+# runs parted with the paths, the environment, address randomisation or -reload left out, and
+# agreed line for line with all of them, also from another clone; the CPU settings are meant to
+# make other CPUs agree too, which no run here has measured):
 # - the fuzzer runs in the repository's root with relative paths (binary, crash prefix, UBSan's
 #   suppressions) and a corpus directory whose path has a fixed length: a path's length moves the
 #   heap, LibTorch's optimizers keep state in maps keyed by addresses, and the coverage sees how
 #   those maps probe;
 # - a fixed environment (env -i), for the same reason;
 # - no address randomisation (setarch -R), where the kernel allows it;
-# - MKL and ATen on fixed code paths (MKL_CBWR=COMPATIBLE; ATEN_CPU_CAPABILITY=avx2 where the CPU
-#   has AVX2), so that results, and the branches gwt takes on them, do not depend on the CPU or
-#   on the data's alignment;
+# - MKL, ATen and oneDNN on fixed code paths (MKL_CBWR=COMPATIBLE; ATEN_CPU_CAPABILITY=avx2 and
+#   ONEDNN_MAX_CPU_ISA=AVX2 where the CPU has AVX2), so that results, and the branches gwt takes
+#   on them, depend less on the CPU and not on the data's alignment;
 # - libFuzzer's -reload=0: it otherwise re-reads its corpus directory every second and runs what
 #   it finds there, at moments that depend on the machine's speed;
 # - a number of executions (GWT_FUZZ_RUNS) rather than seconds as the limit.
@@ -86,8 +90,12 @@ symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || tru
 fuzz_env=(LANG=C LC_ALL=C PATH=/usr/bin:/bin "ASAN_OPTIONS=$ASAN_OPTIONS"
           "UBSAN_OPTIONS=$UBSAN_OPTIONS" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 MKL_CBWR=COMPATIBLE)
 [[ -n "$symbolizer" ]] && fuzz_env+=("ASAN_SYMBOLIZER_PATH=$symbolizer")
-grep -qw avx2 /proc/cpuinfo 2>/dev/null && fuzz_env+=(ATEN_CPU_CAPABILITY=avx2)
-[[ -n "${GWT_FUZZ_NOTES:-}" ]] && fuzz_env+=("GWT_FUZZ_NOTES=$GWT_FUZZ_NOTES")
+grep -qw avx2 /proc/cpuinfo 2>/dev/null && fuzz_env+=(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
+# (A run with notes has one variable more, so it is not the run without them.)
+if [[ -n "${GWT_FUZZ_NOTES:-}" ]]; then
+  mkdir -p "$GWT_FUZZ_NOTES"
+  fuzz_env+=("GWT_FUZZ_NOTES=$(cd "$GWT_FUZZ_NOTES" && pwd)")
+fi
 no_aslr=()
 if setarch "$(uname -m)" -R true 2>/dev/null; then
   no_aslr=(setarch "$(uname -m)" -R)
@@ -107,7 +115,12 @@ for t in "${targets[@]}"; do
 done
 # The build directory as the fuzzer is called: relative to the root where it lies inside it.
 build_call="$build"
-[[ "$build" == "$root"/* ]] && build_call="${build#"$root"/}"
+if [[ "$build" == "$root"/* ]]; then
+  build_call="${build#"$root"/}"
+else
+  echo "fuzz: the build directory lies outside the repository: the fuzzer is called by its" \
+       "absolute path, and a seed replays a run only with the build at that same path"
+fi
 # Runs target $1 with the rest as libFuzzer's arguments, as described above.
 fuzzer() {
   local target="$1"; shift
@@ -125,7 +138,9 @@ shm_free_kb=$(df --output=avail -k /dev/shm 2>/dev/null | tail -1 | tr -d ' ' ||
 if [[ "${shm_free_kb:-0}" =~ ^[0-9]+$ && "${shm_free_kb:-0}" -ge 262144 ]]; then
   work="$(mktemp -d -p /dev/shm)"
 else
-  work="$(mktemp -d)"
+  work="$(mktemp -d -p /tmp)"
+  echo "fuzz: /dev/shm has under 256 MB free: the corpus is in $work, a path of another length," \
+       "so a seed does not replay a run made with /dev/shm"
 fi
 trap 'rm -rf "$work"' EXIT
 # Runs a command with its stdout and stderr to stdout; the shell's own line about a child killed by
@@ -149,7 +164,8 @@ for t in "${targets[@]}"; do
   while :; do
     part=$((part + 1))
     log="$work/$t.$part.log"
-    left=$((seconds - ($(date +%s) - t_start)))
+    left=$seconds  # the first part's argument must not depend on the clock (it is part of argv)
+    [[ $part -gt 1 ]] && left=$((seconds - ($(date +%s) - t_start)))
     [[ $part -gt 1 && $left -lt 1 ]] && break
     [[ $left -lt 1 ]] && left=1
     runs_left=""
@@ -180,7 +196,8 @@ for t in "${targets[@]}"; do
     origin=gwt
     if [[ $rc -ne 0 && -n "$input" && -f "$input" ]]; then
       (fuzz_env+=("ASAN_OPTIONS=$ASAN_OPTIONS:fast_unwind_on_malloc=0")
-       run_quietly fuzzer "$t" -timeout=10 -rss_limit_mb=4096 "$input" >"$log.replay") || true
+       run_quietly fuzzer "$t" -timeout=10 -rss_limit_mb=4096 -artifact_prefix="$work/replay-" \
+        "$input" >"$log.replay") || true
       origin=$("$root/scripts/fuzz_crash_origin.sh" "$log.replay") || origin=gwt
     fi
     if [[ $origin == libtorch && $libtorch -lt $max_libtorch ]]; then
