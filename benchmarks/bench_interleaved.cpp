@@ -153,9 +153,13 @@ int main(int argc, char** argv) {
             std::make_unique<gwt::WaveletAdam>(
                 gwt_bench::make_workload(which),
                 gwt::WaveletAdamOptions(1e-3).wavelet("haar").level(2).state_dtype("bfloat16")));
-      else
+      else {
         add("WaveletAdam haar 2-D L=2",
             wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_step"));
+        // Issue 15 bounds the 2-D step too, with "skip_param" where the default stays skip_step.
+        add("WaveletAdam haar 2-D L=2, skip_param",
+            wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_param"));
+      }
       add("WaveletAdam db2 L=2",
           wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
       if (floors && which < 5) {                              // (the floors move float32 values)
@@ -169,6 +173,18 @@ int main(int argc, char** argv) {
         variants.push_back({"floor: read 6 B (a norm pass, L=2)",
                             [read] { floor_sink = floor_sink + gwt_bench::floor_read(*read, 4); },
                             {}});
+        // The 2-D step at L=2 keeps a sixteenth of the parameter per moment (4x4 blocks).
+        auto one_pass_2d =
+            std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 16));
+        variants.push_back({"floor: read 8.5 B, write 4.5 B (one pass, 2-D L=2)",
+                            [one_pass_2d] { gwt_bench::floor_update(*one_pass_2d, 16); },
+                            {}});
+        auto read_2d =
+            std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 16));
+        variants.push_back(
+            {"floor: read 4.5 B (a norm pass, 2-D L=2)",
+             [read_2d] { floor_sink = floor_sink + gwt_bench::floor_read(*read_2d, 16); },
+             {}});
         auto adam = std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 1));
         variants.push_back({"floor: read 16 B, write 12 B (Adam's bytes)",
                             [adam] { gwt_bench::floor_update(*adam, 1); },
