@@ -21,7 +21,6 @@
 #include <torch/serialize/input-archive.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -131,53 +130,63 @@ class BufferReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
 /// >10 s (fuzz_load's timeout).
 constexpr uint64_t k_record_limit = uint64_t{64} << 20;
 
+/// Calls fn(header, after) for every zip central-directory entry in `data`, where `header` is the
+/// entry's fixed 46-byte part and `after` the bytes of the input that follow it, until fn returns
+/// true (and then returns true). Every "PK\1\2" signature in the input is taken as an entry,
+/// wherever it lies: a superset of the entries miniz can find by any end-of-directory record it
+/// settles on, so the screens below never depend on how miniz reads a damaged directory.
+template <typename Fn>
+bool any_central_entry(const uint8_t* data, size_t size, Fn&& fn) {
+  constexpr size_t k_header = 46;  // central directory file header, fixed part
+  for (size_t i = 0; i + k_header <= size; ++i) {
+    if (data[i] != 'P' || data[i + 1] != 'K' || data[i + 2] != 1 || data[i + 3] != 2) continue;
+    if (fn(data + i, size - i - k_header)) return true;
+  }
+  return false;
+}
+
 /// Whether any zip central-directory entry in `data` declares an uncompressed size over
 /// k_record_limit (or defers it to a zip64 field, 0xFFFFFFFF). Read from the bytes alone, before
 /// LibTorch opens anything: its PyTorchStreamReader reads the archive's version record while it is
 /// being constructed, at the size the entry declares, so a 4.7 KB input whose `version` declared
 /// 512 MiB took 0.6 s per opening under ASan, and load_from itself once ran past the 10 s timeout
-/// copying such a record into an error message. Every "PK\1\2" signature in the input is taken as
-/// an entry, wherever it lies: a superset of the entries miniz can find by any end-of-directory
-/// record it settles on, so the answer never depends on how miniz reads a damaged directory.
+/// copying such a record into an error message.
 inline bool declares_large_record(const uint8_t* data, size_t size) {
-  constexpr size_t k_header = 46;  // central directory file header, fixed part
-  for (size_t i = 0; i + k_header <= size; ++i) {
-    if (data[i] != 'P' || data[i + 1] != 'K' || data[i + 2] != 1 || data[i + 3] != 2) continue;
-    const uint64_t uncompressed = uint64_t{data[i + 24]} | uint64_t{data[i + 25]} << 8 |
-                                  uint64_t{data[i + 26]} << 16 | uint64_t{data[i + 27]} << 24;
-    if (uncompressed > k_record_limit) return true;  // 0xFFFFFFFF (zip64) included
-  }
-  return false;
+  return any_central_entry(data, size, [](const uint8_t* h, size_t) {
+    const uint64_t uncompressed = uint64_t{h[24]} | uint64_t{h[25]} << 8 |
+                                  uint64_t{h[26]} << 16 | uint64_t{h[27]} << 24;
+    return uncompressed > k_record_limit;  // 0xFFFFFFFF (zip64) included
+  });
 }
 
-/// The names of the zip central-directory entries in `data` whose name ends in "pkl" in any case,
-/// without the entry's first directory (the archive's name, which the reader puts in front of every
-/// lookup), once per name up to case. Entries are found as declares_large_record finds them: every
-/// "PK\1\2" signature, a superset of the entries miniz can read.
+/// The names of the zip central-directory entries in `data` (any_central_entry) whose name ends in
+/// "pkl" in any case, without the entry's first directory (the archive's name, which the reader
+/// puts in front of every lookup), once per name up to case.
 ///
 /// Any case, because miniz looks names up without regard to case (mz_zip_reader_locate_file with no
-/// flags compares through MZ_TOLOWER): load_from's lookup of "data.pkl" reads an entry named
-/// "archive/data.pkL". A screen that took only names ending in "pkl" left that record unread: a
-/// hand-made input with a LONG_BINPUT of 4e9 there made LibTorch ask for 60 GiB (it is in
+/// flags compares through MZ_TOLOWER, ASCII only): load_from's lookup of "data.pkl" reads an entry
+/// named "archive/data.pkL". A screen that took only names ending in "pkl" left that record unread:
+/// a hand-made input with a LONG_BINPUT of 4e9 there made LibTorch ask for 60 GiB (it is in
 /// fuzz/corpus/compression and fuzz/corpus/load). A CI run (fuzz_compression, 2026-12-06) had
 /// stopped on such an allocation after a bit flip; its input stayed on that machine.
 inline std::vector<std::string> pickle_entry_names(const uint8_t* data, size_t size) {
-  constexpr size_t k_header = 46;  // central directory file header, fixed part
+  constexpr size_t k_header = 46;
+  auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c + 32) : c; };
   std::vector<std::string> names;
-  std::unordered_set<std::string> seen;
-  for (size_t i = 0; i + k_header <= size; ++i) {
-    if (data[i] != 'P' || data[i + 1] != 'K' || data[i + 2] != 1 || data[i + 3] != 2) continue;
-    const size_t length = size_t{data[i + 28]} | size_t{data[i + 29]} << 8;
-    if (length > size - i - k_header) continue;  // runs past the input: miniz rejects it too
-    std::string name(reinterpret_cast<const char*>(data + i + k_header), length);
+  std::unordered_set<std::string> seen;  // one lookup per record, however often it is listed
+  any_central_entry(data, size, [&](const uint8_t* h, size_t after) {
+    const size_t length = size_t{h[28]} | size_t{h[29]} << 8;
+    if (length > after) return false;  // runs past the input: miniz rejects it too
+    std::string name(reinterpret_cast<const char*>(h + k_header), length);
     const size_t slash = name.find('/');
-    if (slash == std::string::npos) continue;  // outside any directory: no lookup reaches it
+    if (slash == std::string::npos) return false;  // outside any directory: no lookup reaches it
     name.erase(0, slash + 1);
-    std::string lower = name;
-    for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    if (lower.size() < 3 || lower.compare(lower.size() - 3, 3, "pkl") != 0) continue;
-    if (seen.insert(lower).second) names.push_back(std::move(name));
-  }
+    std::string key(name.size(), '\0');
+    std::transform(name.begin(), name.end(), key.begin(), lower);
+    if (key.size() >= 3 && key.compare(key.size() - 3, 3, "pkl") == 0 && seen.insert(key).second)
+      names.push_back(std::move(name));
+    return false;
+  });
   return names;
 }
 
