@@ -293,6 +293,7 @@ bool any_not_finite(const void* data, int64_t begin, int64_t end) {
 template <typename U, U Exponent>
 bool all_finite_bits(const void* data, int64_t n) {
   constexpr int64_t chunk = 1 << 16;
+  if (n <= chunk) return !any_not_finite<U, Exponent>(data, 0, n);  // no flags, no parallel region
   const int64_t chunks = (n + chunk - 1) / chunk;
   std::vector<unsigned char> bad(static_cast<size_t>(chunks), 0);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
