@@ -164,31 +164,24 @@ int main(int argc, char** argv) {
           wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
       if (floors && which < 5) {                              // (the floors move float32 values)
         const auto shapes = gwt_bench::make_workload(which);  // each floor copies its own buffers
-        auto one_pass =
-            std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 4));
-        variants.push_back({"floor: read 10 B, write 6 B (one pass, L=2)",
-                            [one_pass] { gwt_bench::floor_update(*one_pass, 4); },
-                            {}});
-        auto read = std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 4));
-        variants.push_back({"floor: read 6 B (a norm pass, L=2)",
-                            [read] { floor_sink = floor_sink + gwt_bench::floor_read(*read, 4); },
-                            {}});
-        // The 2-D step at L=2 keeps a sixteenth of the parameter per moment (4x4 blocks).
-        auto one_pass_2d =
-            std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 16));
-        variants.push_back({"floor: read 8.5 B, write 4.5 B (one pass, 2-D L=2)",
-                            [one_pass_2d] { gwt_bench::floor_update(*one_pass_2d, 16); },
-                            {}});
-        auto read_2d =
-            std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 16));
-        variants.push_back(
-            {"floor: read 4.5 B (a norm pass, 2-D L=2)",
-             [read_2d] { floor_sink = floor_sink + gwt_bench::floor_read(*read_2d, 16); },
-             {}});
-        auto adam = std::make_shared<gwt_bench::FloorBuffers>(gwt_bench::floor_buffers(shapes, 1));
-        variants.push_back({"floor: read 16 B, write 12 B (Adam's bytes)",
-                            [adam] { gwt_bench::floor_update(*adam, 1); },
-                            {}});
+        // A floor that reads and writes (update) or only reads (a norm pass), with moments of
+        // numel / state_div values: 4 for L=2, 16 for the 2-D step at L=2 (4x4 blocks), 1 for Adam.
+        auto floor = [&](const char* name, int64_t state_div, bool update) {
+          auto b = std::make_shared<gwt_bench::FloorBuffers>(
+              gwt_bench::floor_buffers(shapes, state_div));
+          variants.push_back({name, [b, state_div, update] {
+                                if (update)
+                                  gwt_bench::floor_update(*b, state_div);
+                                else
+                                  floor_sink = floor_sink + gwt_bench::floor_read(*b, state_div);
+                              },
+                              {}});
+        };
+        floor("floor: read 10 B, write 6 B (one pass, L=2)", 4, true);
+        floor("floor: read 6 B (a norm pass, L=2)", 4, false);
+        floor("floor: read 8.5 B, write 4.5 B (one pass, 2-D L=2)", 16, true);
+        floor("floor: read 4.5 B (a norm pass, 2-D L=2)", 16, false);
+        floor("floor: read 16 B, write 12 B (Adam's bytes)", 1, true);
       }
     }
     for (auto& v : variants) v.step();  // state created, caches warm

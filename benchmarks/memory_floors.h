@@ -22,12 +22,12 @@ struct FloorBuffers {
 FloorBuffers floor_buffers(const std::vector<at::Tensor>& params, int64_t state_div);
 
 /// Reads p, g, m, v and writes p, m, v: the bytes of a step that reads its gradient once
-/// (state_div 4: WaveletAdam L=2, 10 B read and 6 B written per value; state_div 1: Adam, 16 B
-/// read and 12 B written).
+/// (state_div 4: WaveletAdam L=2, 10 B read and 6 B written per value; state_div 16: the 2-D step
+/// at L=2, 8.5 B and 4.5 B; state_div 1: Adam, 16 B read and 12 B written).
 void floor_update(FloorBuffers& b, int64_t state_div);
 
 /// Reads g, m, v and writes nothing: a norm pass's bytes (6 B per value at state_div 4: g, and m
-/// and v at a quarter each).
+/// and v at a quarter each; 4.5 B at state_div 16).
 double floor_read(const FloorBuffers& b, int64_t state_div);
 
 }  // namespace gwt_bench
