@@ -37,6 +37,8 @@ done
 # libFuzzer takes -seed=0 as "draw one".
 [[ -z "${GWT_FUZZ_SEED:-}" || "$GWT_FUZZ_SEED" =~ ^[1-9][0-9]{0,8}$ ]] \
   || { echo "scripts/fuzz.sh: GWT_FUZZ_SEED must be a whole number from 1 to 999999999" >&2; exit 2; }
+[[ -z "${GWT_FUZZ_RUNS:-}" || "$GWT_FUZZ_RUNS" =~ ^[1-9][0-9]{0,9}$ ]] \
+  || { echo "scripts/fuzz.sh: GWT_FUZZ_RUNS must be a whole number of executions (digits only)" >&2; exit 2; }
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=setup.sh
@@ -64,8 +66,8 @@ echo "fuzz: built in $(($(date +%s) - start)) s ($build)"
 # LibTorch is not instrumented and keeps allocations in globals for the life of the process:
 # leak checking would only report those. A huge allocation is an error the code must handle
 # (c10::Error from LibTorch's allocator), not an abort.
-export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1:${ASAN_OPTIONS:-}"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=fuzz/ubsan.supp:${UBSAN_OPTIONS:-}"
+ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1:${ASAN_OPTIONS:-}"
+UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=fuzz/ubsan.supp:${UBSAN_OPTIONS:-}"
 symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || true)"
 [[ -n "$symbolizer" ]] && symbolizer="$(readlink -f "$symbolizer")"  # one path, whatever PATH says
 
@@ -96,36 +98,43 @@ if [[ -n "${GWT_FUZZ_NOTES:-}" ]]; then
   mkdir -p "$GWT_FUZZ_NOTES"
   fuzz_env+=("GWT_FUZZ_NOTES=$(cd "$GWT_FUZZ_NOTES" && pwd)")
 fi
+# What would keep a seeded run from replaying is said once, before the targets run (a run without
+# a seed replays nothing anyway).
+replay_warning() { [[ -n "${GWT_FUZZ_SEED:-}" ]] && echo "fuzz: $*; a seed does not replay a run here"; true; }
 no_aslr=()
 if setarch "$(uname -m)" -R true 2>/dev/null; then
   no_aslr=(setarch "$(uname -m)" -R)
 else
-  echo "fuzz: setarch -R is not allowed here: addresses are randomised, and a seed does not replay a run"
+  replay_warning "setarch -R is not allowed here: addresses are randomised"
 fi
 # The same binary, too: with scripts/setup.sh's CCACHE_BASEDIR the compiler sees relative source
 # paths, so the binary does not depend on where the clone lies; an object built with absolute
 # paths (a build directory older than that setting) puts the clone's path into __FILE__ strings,
 # and their lengths move the heap as a path's do.
-for t in "${targets[@]}"; do
-  if grep -qaF "$root/src/" "$build/fuzz/gwt_fuzz_$t"; then
-    echo "fuzz: $build/fuzz/gwt_fuzz_$t holds this clone's path ($root/src/...): a seed replays its" \
-         "runs only here; remove $build and run again for a build that replays anywhere"
-    break
-  fi
-done
+if [[ -n "${GWT_FUZZ_SEED:-}" ]]; then
+  for t in "${targets[@]}"; do
+    if grep -qaF "$root/src/" "$build/fuzz/gwt_fuzz_$t"; then
+      replay_warning "$build/fuzz/gwt_fuzz_$t holds this clone's path ($root/src/...; remove $build" \
+                     "and run again for a build that replays anywhere)"
+      break
+    fi
+  done
+fi
 # The build directory as the fuzzer is called: relative to the root where it lies inside it.
 build_call="$build"
 if [[ "$build" == "$root"/* ]]; then
   build_call="${build#"$root"/}"
 else
-  echo "fuzz: the build directory lies outside the repository: the fuzzer is called by its" \
-       "absolute path, and a seed replays a run only with the build at that same path"
+  replay_warning "the build directory lies outside the repository, so the fuzzer is called by its" \
+                 "absolute path"
 fi
-# Runs target $1 with the rest as libFuzzer's arguments, as described above.
+# Runs target $1 with the rest as libFuzzer's arguments, as described above, its stdout and stderr
+# to stdout; the shell's own line about a child killed by a signal (abort_on_error's SIGABRT) goes
+# nowhere: the log has the report.
 fuzzer() {
   local target="$1"; shift
-  (cd "$root" && env -i "${fuzz_env[@]}" "${no_aslr[@]}" "$build_call/fuzz/gwt_fuzz_$target" "$@")
-}
+  (cd "$root" && exec env -i "${fuzz_env[@]}" "${no_aslr[@]}" "$build_call/fuzz/gwt_fuzz_$target" "$@") 2>&1
+} 2>/dev/null
 
 crashes_dir="$root/fuzz/crashes"
 mkdir -p "$crashes_dir"
@@ -139,13 +148,9 @@ if [[ "${shm_free_kb:-0}" =~ ^[0-9]+$ && "${shm_free_kb:-0}" -ge 262144 ]]; then
   work="$(mktemp -d -p /dev/shm)"
 else
   work="$(mktemp -d -p /tmp)"
-  echo "fuzz: /dev/shm has under 256 MB free: the corpus is in $work, a path of another length," \
-       "so a seed does not replay a run made with /dev/shm"
+  replay_warning "/dev/shm has under 256 MB free: the corpus is in $work, a path of another length"
 fi
 trap 'rm -rf "$work"' EXIT
-# Runs a command with its stdout and stderr to stdout; the shell's own line about a child killed by
-# a signal (abort_on_error's SIGABRT) goes nowhere: the log has the report.
-run_quietly() { "$@" 2>&1; } 2>/dev/null
 total_execs=0 total_crashes=0 total_libtorch=0 failed=0
 # At most this many LibTorch defects per target before the run counts as failed: the screen in
 # fuzz/libtorch_guard.h should make them rare, and many would mean it no longer works.
@@ -156,7 +161,7 @@ for t in "${targets[@]}"; do
   [[ -d "$root/fuzz/corpus/$t" ]] && cp "$root/fuzz/corpus/$t/"* "$corpus/" 2>/dev/null || true
   seeds=$(find "$corpus" -type f | wc -l)
   t_start=$(date +%s)
-  execs=0 seed="" crashes=0 libtorch=0 rc=0 part=0
+  execs=0 crashes=0 libtorch=0 rc=0 part=0 seeds_used=()
   # libFuzzer stops at the first crash (or timeout, or out-of-memory) and exits non-zero. A crash
   # inside LibTorch's archive reader, before any gwt code saw the input (scripts/fuzz_crash_origin.sh
   # says "libtorch"), is reported with its input kept, and the target goes on for the rest of its
@@ -164,10 +169,14 @@ for t in "${targets[@]}"; do
   while :; do
     part=$((part + 1))
     log="$work/$t.$part.log"
-    left=$seconds  # the first part's argument must not depend on the clock (it is part of argv)
-    [[ $part -gt 1 ]] && left=$((seconds - ($(date +%s) - t_start)))
-    [[ $part -gt 1 && $left -lt 1 ]] && break
-    [[ $left -lt 1 ]] && left=1
+    # The time left, written with as many digits as SECONDS: the arguments' lengths move the heap,
+    # so a part after a LibTorch defect replays too.
+    left=$seconds
+    if [[ $part -gt 1 ]]; then
+      left=$((seconds - ($(date +%s) - t_start)))
+      [[ $left -ge 1 ]] || break
+      printf -v left "%0${#seconds}d" "$left"
+    fi
     runs_left=""
     if [[ -n "${GWT_FUZZ_RUNS:-}" ]]; then
       runs_left=$((GWT_FUZZ_RUNS - execs))
@@ -176,12 +185,12 @@ for t in "${targets[@]}"; do
     part_seed=""
     [[ -n "${GWT_FUZZ_SEED:-}" ]] && part_seed=$((GWT_FUZZ_SEED + part - 1))
     rc=0
-    run_quietly fuzzer "$t" -max_total_time="$left" ${runs_left:+-runs=$runs_left} \
+    fuzzer "$t" -max_total_time="$left" ${runs_left:+-runs=$runs_left} \
       ${part_seed:+-seed=$part_seed} -reload=0 \
       -timeout=10 -rss_limit_mb=4096 \
       -print_final_stats=1 -artifact_prefix="fuzz/crashes/$t-" "$corpus" >"$log" || rc=$?
     part_execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -1)
-    [[ -z "$seed" ]] && seed=$(sed -n 's/^INFO: Seed: *\([0-9]*\).*/\1/p' "$log" | head -1)
+    seeds_used+=("$(sed -n 's/^INFO: Seed: *\([0-9]*\).*/\1/p' "$log" | head -1)")
     execs=$((execs + ${part_execs:-0}))
     grep -h '^gwt fuzz note' "$log" | sed 's/^/  /' || true
     [[ $rc -eq 0 && -n "$part_execs" ]] && break
@@ -196,16 +205,14 @@ for t in "${targets[@]}"; do
     origin=gwt
     if [[ $rc -ne 0 && -n "$input" && -f "$input" ]]; then
       (fuzz_env+=("ASAN_OPTIONS=$ASAN_OPTIONS:fast_unwind_on_malloc=0")
-       run_quietly fuzzer "$t" -timeout=10 -rss_limit_mb=4096 -artifact_prefix="$work/replay-" \
+       fuzzer "$t" -timeout=10 -rss_limit_mb=4096 -artifact_prefix="$work/replay-" \
         "$input" >"$log.replay") || true
       origin=$("$root/scripts/fuzz_crash_origin.sh" "$log.replay") || origin=gwt
     fi
     if [[ $origin == libtorch && $libtorch -lt $max_libtorch ]]; then
       libtorch=$((libtorch + 1))
-      next="a drawn seed"
-      [[ -n "$part_seed" ]] && next="seed $((part_seed + 1))"
       echo "fuzz $t: a LibTorch defect after $execs executions, inside load_from before gwt saw the input" \
-           "(scripts/fuzz_crash_origin.sh; not counted as a crash); going on with $next. Its report:"
+           "(scripts/fuzz_crash_origin.sh; not counted as a crash); going on with another seed. Its report:"
       grep -m1 -E 'ERROR: |runtime error: ' "$log.replay" | sed 's/^/  | /' || true
       grep -E '^ *#[0-9]+ 0x[0-9a-f]+ in ' "$log.replay" | grep -m4 -E 'torch::|caffe2::' \
         | sed 's/^/  | /' || true
@@ -216,29 +223,30 @@ for t in "${targets[@]}"; do
     failed=1
     [[ $origin == libtorch ]] && echo "fuzz $t: a LibTorch defect again, the $((libtorch + 1))th:" \
       "more than $max_libtorch means the screen (fuzz/libtorch_guard.h) has a hole to mend"
-    echo "fuzz $t: CRASHED (exit $rc) after $execs executions (seed ${part_seed:-${seed:-?}}); log tail:"
-    tail -40 "$log" | sed 's/^/  | /'
+    echo "fuzz $t: CRASHED (exit $rc) after $execs executions (seed ${seeds_used[-1]:-?}); log tail" \
+         "(of the replay with full allocation stacks, where there is one):"
+    report="$log"
+    [[ -s "$log.replay" ]] && report="$log.replay"
+    tail -40 "$report" | sed 's/^/  | /'
     [[ -n "$input" ]] && echo "  input: $input"
     break
   done
   units=$(find "$corpus" -type f | wc -l)
   if [[ -n "${GWT_FUZZ_LOGS:-}" ]]; then
-    mkdir -p "$GWT_FUZZ_LOGS" && cp "$work/$t".*.log "$GWT_FUZZ_LOGS/"
+    mkdir -p "$GWT_FUZZ_LOGS" && cp "$work/$t".*.log* "$GWT_FUZZ_LOGS/"
   fi
   if [[ $crashes -eq 0 ]]; then
     elapsed=$(( $(date +%s) - t_start ))
-    seeds_used="seed ${seed:-?}"
-    [[ $libtorch -gt 0 && -n "${GWT_FUZZ_SEED:-}" ]] && seeds_used="seeds $GWT_FUZZ_SEED-$part_seed"
-    [[ $libtorch -gt 0 && -z "${GWT_FUZZ_SEED:-}" ]] && seeds_used="first seed ${seed:-?}"
+    [[ ${#seeds_used[@]} -gt 1 ]] && seed_text="seeds ${seeds_used[*]}" || seed_text="seed ${seeds_used[0]:-?}"
     echo "fuzz $t: $execs executions in $elapsed s ($((execs / (elapsed > 0 ? elapsed : 1)))/s," \
-         "$seeds_used), 0 crashes, $libtorch LibTorch defects, corpus $seeds -> $units inputs"
+         "$seed_text), 0 crashes, $libtorch LibTorch defects, corpus $seeds -> $units inputs"
   fi
   total_execs=$((total_execs + execs))
   total_crashes=$((total_crashes + crashes))
   total_libtorch=$((total_libtorch + libtorch))
   if [[ "${GWT_FUZZ_MERGE:-0}" == 1 && $crashes -eq 0 ]]; then
     mkdir -p "$root/fuzz/corpus/$t"
-    fuzzer "$t" -merge=1 "$root/fuzz/corpus/$t" "$corpus" >"$work/$t.merge.log" 2>&1 \
+    fuzzer "$t" -merge=1 "$root/fuzz/corpus/$t" "$corpus" >"$work/$t.merge.log" \
       || { echo "fuzz $t: merge failed"; tail -20 "$work/$t.merge.log"; failed=1; }
   fi
 done

@@ -19,6 +19,6 @@ for report in "$root"/tests/data/fuzz_reports/*.txt; do
     failed=1
   fi
 done
-[ "$checked" -ge 11 ] || { echo "FAIL: only $checked reports found"; exit 1; }
+[ "$checked" -ge 12 ] || { echo "FAIL: only $checked reports found"; exit 1; }
 [ "$failed" -eq 0 ] && echo "ok: $checked reports"
 exit "$failed"
