@@ -74,8 +74,8 @@ symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || tru
 # The targets run so that a seed replays a run input for input from any clone, on a machine with
 # the same CPU model, the same LibTorch at the same path and the same compiler (docs/fuzzing.md:
 # runs parted with the paths, the environment, address randomisation or -reload left out, and
-# agreed line for line with all of them, also from another clone; the CPU settings are meant to
-# make other CPUs agree too, which no run here has measured):
+# agreed line for line with all of them, also from another clone; another CPU model does not
+# agree: an AMD EPYC and an Intel Xeon parted in all six targets, docs/fuzzing.md):
 # - the fuzzer runs in the repository's root with relative paths (binary, crash prefix, UBSan's
 #   suppressions) and a corpus directory whose path has a fixed length: a path's length moves the
 #   heap, LibTorch's optimizers keep state in maps keyed by addresses, and the coverage sees how
