@@ -15,9 +15,10 @@
 # Environment: GWT_FUZZ_BUILD (build dir, default build-fuzz), GWT_JOBS (build jobs),
 # GWT_FUZZ_RUNS=N (also stop a target after N executions, whichever of the two comes first),
 # GWT_FUZZ_SEED=N (libFuzzer's -seed: the same seed, corpus and binary replay the same inputs in
-# the same order, on any x86 machine with AVX2 and from any clone, as long as the run ends by
-# GWT_FUZZ_RUNS rather than SECONDS (see below); so a gate that runs a fixed number of executions
-# passes wherever the same command passed before the commit; unset, each run draws a seed and
+# the same order from any clone on the same CPU model (docs/fuzzing.md; another model is not
+# measured since the remedies of 2026-12-06), as long as the run ends by GWT_FUZZ_RUNS rather than
+# SECONDS (see below); so a gate that runs a fixed number of executions passes where the same
+# command passed before the commit on that CPU model; unset, each run draws a seed and
 # explores new inputs, which is what a developer's run is for),
 # GWT_FUZZ_MERGE=1 (merge the inputs that found new coverage back into fuzz/corpus/<target>),
 # GWT_FUZZ_NOTES=<dir> (inputs of the targets' notes, see fuzz/fuzz_util.h),
@@ -79,8 +80,8 @@ symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || tru
 # on purpose agree, docs/fuzzing.md):
 # - the fuzzer runs in the repository's root with relative paths (binary, crash prefix, UBSan's
 #   suppressions) and a corpus directory whose path has a fixed length: a path's length moves the
-#   heap, LibTorch's optimizers keep state in maps keyed by addresses, and the coverage sees how
-#   those maps probe;
+#   heap, LibTorch's optimizers keep state in maps keyed by addresses, and the coverage saw how
+#   those maps probe (before the ignorelist below);
 # - a fixed environment (env -i), for the same reason;
 # - no address randomisation (setarch -R), where the kernel allows it;
 # - MKL, ATen and oneDNN on fixed code paths (MKL_CBWR=COMPATIBLE; ATEN_CPU_CAPABILITY=avx2 and
@@ -89,8 +90,8 @@ symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || tru
 # - libFuzzer's -reload=0: it otherwise re-reads its corpus directory every second and runs what
 #   it finds there, at moments that depend on the machine's speed;
 # - a number of executions (GWT_FUZZ_RUNS) rather than seconds as the limit;
-# - coverage of gwt's own code only (fuzz/coverage_ignorelist.txt): LibTorch's and the C++
-#   library's inline code branches on addresses;
+# - no coverage of LibTorch's and the C++ library's functions by name (fuzz/coverage_ignorelist.txt;
+#   their code inlined into gwt's functions still counts): their code branches on addresses;
 # - with a seed, libFuzzer's -use_cmp=0: it otherwise takes compared values into its dictionary,
 #   and some of gwt's comparisons are of addresses. (A run without a seed keeps that guidance.)
 # One thread: executions stay small, and the CPU goes to the fuzzer loop.
