@@ -31,6 +31,11 @@ namespace GWT_KERNEL_NS {
 // Approximation coefficients per tile: tiles are the unit of work and of the norm's reduction,
 // fixed in size so that the summation order never depends on the number of threads.
 constexpr int64_t k_tile = 512;
+// 2-D transform: a tile spans the whole width of its block row where that keeps it within
+// k_tile_2d_elements values (and k_tile_max coefficients), so that a tile's rows, which lie one
+// after another in memory, are read as one stream (tiles that split a row jump between its rows).
+constexpr int64_t k_tile_max = 2048;
+constexpr int64_t k_tile_2d_elements = 32768;
 constexpr int64_t k_parallel_grain = 32768;  // elements per thread chunk, at least
 
 // P: parameter type, G: gradient type (P, or float for a float16/bfloat16 parameter), S: moment
@@ -56,7 +61,8 @@ class HaarAdam {
             std::pow(2.0, (args.two_d ? -1.0 : -0.5) * static_cast<double>(args.level)))),
         block_rows_(args.two_d ? (args.height + block_ - 1) / block_ : 1),
         state_rows_(args.two_d ? args.rows / args.height * block_rows_ : args.rows),
-        tiles_per_row_((args.approx_len + k_tile - 1) / k_tile),
+        tile_len_(tile_length(args, block_)),
+        tiles_per_row_((args.approx_len + tile_len_ - 1) / tile_len_),
         // Threads only for work that pays for a parallel region (a few microseconds each): about
         // 32K elements per chunk, as ATen's own grain. Results do not depend on it (fixed tiles).
         grain_(std::max<int64_t>(
@@ -69,7 +75,7 @@ class HaarAdam {
     const int64_t tiles = state_rows_ * tiles_per_row_;
     std::vector<double> partial(static_cast<size_t>(tiles), 0.0);
     at::parallel_for(0, tiles, grain_, [&](int64_t t0, int64_t t1) {
-      Acc approx[k_tile];
+      Acc approx[k_tile_max];
       for (int64_t t = t0; t < t1; ++t) partial[t] = tile_norm_sq(t, approx);
     });
     double sum = 0;
@@ -80,7 +86,7 @@ class HaarAdam {
   void update(Acc lim) const {
     const int64_t tiles = state_rows_ * tiles_per_row_;
     at::parallel_for(0, tiles, grain_, [&](int64_t t0, int64_t t1) {
-      Acc approx[k_tile];
+      Acc approx[k_tile_max];
       for (int64_t t = t0; t < t1; ++t) tile_update(t, lim, approx);
     });
   }
@@ -92,8 +98,8 @@ class HaarAdam {
   };
   Tile tile(int64_t t) const {
     const int64_t row = t / tiles_per_row_;
-    const int64_t first = (t % tiles_per_row_) * k_tile;
-    Tile tl{row, first, std::min(k_tile, a_.approx_len - first), row, 1};
+    const int64_t first = (t % tiles_per_row_) * tile_len_;
+    Tile tl{row, first, std::min(tile_len_, a_.approx_len - first), row, 1};
     if (a_.two_d) {  // state row = (matrix, block row); its blocks span up to 2^level rows
       const int64_t top = (row % block_rows_) * block_;
       tl.element_row = row / block_rows_ * a_.height + top;
@@ -188,14 +194,14 @@ class HaarAdam {
       if (from > 0 && tl.height == 1) {
         simd::update<B>(simd_constants(), g, p, m, v, from, step, lim, keep);
       } else if (from > 0) {
-        Acc factor[k_tile];
+        Acc factor[k_tile_max];
         simd::update_by_rows<B>(simd_constants(), g, p, a_.n, tl.height, m, v, from, step, lim,
                                 keep, approx, factor);
       }
     }
 #endif
     // approx[j] becomes the block's shift, factor[j] its step / denominator.
-    Acc factor[k_tile];
+    Acc factor[k_tile_max];
     for (int64_t j = from; j < tl.count; ++j) {
       const NewMoments<S, Acc> mv(a_, m[j], v[j], approx[j]);
       m[j] = static_cast<S>(mv.m);
@@ -229,11 +235,18 @@ class HaarAdam {
     }
   }
 
+  static int64_t tile_length(const HaarAdamArgs& args, int64_t block) {
+    if (!args.two_d) return k_tile;
+    const int64_t budget = std::min(k_tile_max, k_tile_2d_elements / block / block);
+    return std::max(k_tile, std::min(budget, args.approx_len));
+  }
+
   const HaarAdamArgs& a_;
   int64_t block_;
   Acc approx_scale_;
   int64_t block_rows_;  // 2-D: block rows per matrix (state rows per matrix)
   int64_t state_rows_;  // rows of exp_avg / exp_avg_sq
+  int64_t tile_len_;  // approximation coefficients per tile (the last of a row may have fewer)
   int64_t tiles_per_row_;
   int64_t grain_;  // tiles per parallel chunk, at least
 };

@@ -154,8 +154,9 @@ inline void update(const StepConstants& c, const G* g, P* p, S* m, S* v, int64_t
 }
 
 // The 2-D transform: a tile's blocks span `height` rows. Reading them block by block would jump
-// between rows every 8 coefficients; these read each row from start to end instead, with the
-// tile's coefficients (count <= 512, a multiple of 8) in the caller's L1-sized arrays.
+// between rows every 8 coefficients; these read each row's part from start to end instead, with
+// the tile's coefficients (count <= 2048, a multiple of 8) in the caller's arrays. Where a tile
+// spans its rows' whole width (haar_adam_cpu_impl.h), that is one stream through memory.
 
 /// a[j] = (sum of block j over the rows) * scale, row after row.
 template <int B, typename G>
