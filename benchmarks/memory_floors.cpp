@@ -18,7 +18,8 @@ inline void ahead(const float* x) {
   __builtin_prefetch(x + 1024, 0, 3);
 }
 
-// Chunks of 4096 values: p and g over the chunk, m and v over its 4096 / state_div state values.
+// Chunks of 4096 values: p and g over the chunk, m and v over its 4096 / state_div state values
+// (for_groups below).
 template <typename Body>
 void for_chunks(int64_t n, const Body& body) {
   constexpr int64_t chunk = 4096;
@@ -27,44 +28,89 @@ void for_chunks(int64_t n, const Body& body) {
   });
 }
 
-// x <- x * scale + add * add_scale + add_const over [0, n) (add may be null), four values at a
-// time with SSE (every x86-64 CPU), the next line prefetched every 16 values.
-void scale_add(float* x, const float* add, float add_scale, float scale, float add_const,
-               int64_t n) {
+// x <- x * scale + add * add_scale over [0, n), four values at a time with SSE (every x86-64
+// CPU), the next line of each prefetched every 16 values.
+void scale_add(float* x, const float* add, float add_scale, float scale, int64_t n) {
   int64_t i = 0;
 #if defined(__SSE__)
-  const __m128 s = _mm_set1_ps(scale), as = _mm_set1_ps(add_scale), c = _mm_set1_ps(add_const);
+  const __m128 s = _mm_set1_ps(scale), as = _mm_set1_ps(add_scale);
   for (; i + 16 <= n; i += 16) {
-    ahead(x + i);
-    if (add != nullptr) ahead(add + i);
-    for (int k = 0; k < 16; k += 4) {
-      const __m128 extra =
-          add != nullptr ? _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(add + i + k), as), c) : c;
-      _mm_storeu_ps(x + i + k, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(x + i + k), s), extra));
-    }
+    ahead(x + i), ahead(add + i);
+    for (int k = 0; k < 16; k += 4)
+      _mm_storeu_ps(x + i + k, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(x + i + k), s),
+                                          _mm_mul_ps(_mm_loadu_ps(add + i + k), as)));
   }
 #endif
-  for (; i < n; ++i) x[i] = x[i] * scale + (add != nullptr ? add[i] * add_scale : 0.f) + add_const;
+  for (; i < n; ++i) x[i] = x[i] * scale + add[i] * add_scale;
 }
 
-// Sum of g[0, n) and of m[j] v[j] over [0, states).
-float read_sum(const float* g, int64_t n, const float* m, const float* v, int64_t states) {
-  float sum = 0;
-  int64_t i = 0, j = 0;
-#if defined(__SSE__)
-  __m128 acc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-  for (; i + 16 <= n; i += 16) {
-    ahead(g + i);
-    for (int k = 0; k < 4; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(g + i + 4 * k));
+// The floors walk p and g 16 values at a time and, in the same loop, the state values those map
+// to (state_div values per state): [i / state_div, (i + 16) / state_div), the last span rounded
+// up to the chunk's end. All arrays advance together, as at::_fused_adam_ walks its seven; each
+// is prefetched 4 KB ahead once per line. (A loop over p and g, then m, then v per chunk was up
+// to 1.3x slower than at::_fused_adam_ moving the same bytes on an AMD EPYC: not a floor there.)
+template <typename Group, typename States>
+void for_groups(int64_t i0, int64_t i1, int64_t state_div, int64_t states, const Group& group,
+                const States& state_values) {
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    group(i, int64_t{16});
+    const int64_t j0 = i / state_div, j1 = std::min(states, (i + 16) / state_div);
+    if (j1 > j0) state_values(j0, j1, j0 % 16 == 0);
   }
-  for (; j + 4 <= states; j += 4)
-    acc[0] = _mm_add_ps(acc[0], _mm_mul_ps(_mm_loadu_ps(m + j), _mm_loadu_ps(v + j)));
-  float lanes[4];
-  _mm_storeu_ps(lanes, _mm_add_ps(_mm_add_ps(acc[0], acc[1]), _mm_add_ps(acc[2], acc[3])));
-  sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  group(i, i1 - i);
+  const int64_t j0 = i / state_div, j1 = std::min(states, (i1 + state_div - 1) / state_div);
+  if (j1 > j0) state_values(j0, j1, false);
+}
+
+void update_streams(float* p, const float* g, float* m, float* v, int64_t i0, int64_t i1,
+                    int64_t state_div, int64_t states) {
+  for_groups(
+      i0, i1, state_div, states,
+      [&](int64_t i, int64_t n) { scale_add(p + i, g + i, 1e-7f, 0.9999f, n); },
+      [&](int64_t j0, int64_t j1, bool new_line) {
+        if (new_line) ahead(m + j0), ahead(v + j0);
+        for (int64_t j = j0; j < j1; ++j) m[j] = m[j] * 0.9f + 1e-4f, v[j] = v[j] * 0.999f + 1e-9f;
+      });
+}
+
+// Sum of g[i0, i1) and of m[j] v[j] over the state values they map to. Vector accumulators
+// where the spans allow, so that no chain of dependent adds limits the loop.
+float read_streams(const float* g, const float* m, const float* v, int64_t i0, int64_t i1,
+                   int64_t state_div, int64_t states) {
+  float sum = 0;
+#if defined(__SSE__)
+  __m128 acc[5] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(),
+                   _mm_setzero_ps()};
 #endif
-  for (; i < n; ++i) sum += g[i];
-  for (; j < states; ++j) sum += m[j] * v[j];
+  for_groups(
+      i0, i1, state_div, states,
+      [&](int64_t i, int64_t n) {
+        int64_t k = 0;
+#if defined(__SSE__)
+        if (n == 16) {
+          ahead(g + i);
+          for (; k < 16; k += 4) acc[k / 4] = _mm_add_ps(acc[k / 4], _mm_loadu_ps(g + i + k));
+        }
+#endif
+        for (; k < n; ++k) sum += g[i + k];
+      },
+      [&](int64_t j0, int64_t j1, bool new_line) {
+        if (new_line) ahead(m + j0), ahead(v + j0);
+        int64_t j = j0;
+#if defined(__SSE__)
+        for (; j + 4 <= j1; j += 4)
+          acc[4] = _mm_add_ps(acc[4], _mm_mul_ps(_mm_loadu_ps(m + j), _mm_loadu_ps(v + j)));
+#endif
+        for (; j < j1; ++j) sum += m[j] * v[j];
+      });
+#if defined(__SSE__)
+  float lanes[4];
+  _mm_storeu_ps(lanes, _mm_add_ps(_mm_add_ps(_mm_add_ps(acc[0], acc[1]),
+                                             _mm_add_ps(acc[2], acc[3])),
+                                  acc[4]));
+  sum += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#endif
   return sum;
 }
 
@@ -90,10 +136,7 @@ void floor_update(FloorBuffers& b, int64_t state_div) {
     float* v = b.v[t].data_ptr<float>();
     const int64_t states = b.m[t].numel();
     for_chunks(b.p[t].numel(), [&](int64_t i0, int64_t i1) {
-      scale_add(p + i0, g + i0, 1e-7f, 0.9999f, 0.f, i1 - i0);
-      const int64_t j0 = i0 / state_div, j1 = std::min(states, (i1 + state_div - 1) / state_div);
-      scale_add(m + j0, nullptr, 0.f, 0.9f, 1e-4f, j1 - j0);
-      scale_add(v + j0, nullptr, 0.f, 0.999f, 1e-9f, j1 - j0);
+      update_streams(p, g, m, v, i0, i1, state_div, states);
     });
   }
 }
@@ -107,8 +150,7 @@ double floor_read(const FloorBuffers& b, int64_t state_div) {
     const int64_t n = b.g[t].numel(), states = b.m[t].numel();
     std::vector<float> partial(static_cast<size_t>((n + 4095) / 4096), 0.f);
     for_chunks(n, [&](int64_t i0, int64_t i1) {
-      const int64_t j0 = i0 / state_div, j1 = std::min(states, (i1 + state_div - 1) / state_div);
-      partial[static_cast<size_t>(i0 / 4096)] = read_sum(g + i0, i1 - i0, m + j0, v + j0, j1 - j0);
+      partial[static_cast<size_t>(i0 / 4096)] = read_streams(g, m, v, i0, i1, state_div, states);
     });
     for (float x : partial) total += x;
   }
