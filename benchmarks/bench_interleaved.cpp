@@ -5,14 +5,17 @@
 //
 //   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4,5,6] [--floors 0|1]
 //
-// --floors 1 (the default) adds three memory floors to workloads 0-2: loops that move a step's
+// (the default workloads; 7 is on request).
+//
+// --floors 1 (the default) adds memory floors to workloads 0-2 and 7: loops that move a step's
 // bytes with next to no arithmetic (see FloorBuffers).
 //
 // Workloads as in gwt_bench_step (benchmarks/workloads.h): 0 llama60m, 1 4096x4096,
 // 2 500x(64x64+64), 4 the main job's model (tiny preset), 5 llama60m in bfloat16 (parameters and
 // gradients; at::_fused_adam_ keeps its moments in bfloat16 too, WaveletAdam in float32 unless
 // state_dtype says bfloat16), 6 llama60m in float16 (likewise; WaveletAdam's moments are float32,
-// as state_dtype offers no float16). On workload 4 the variants are those of
+// as state_dtype offers no float16), 7 one 4096x11008 matrix (rows wider than a 2-D tile's
+// budget at L=2). On workload 4 the variants are those of
 // the main job's table: torch::optim::AdamW against WaveletAdam with the paper's groups (linear
 // weights of the blocks on the wavelet path, everything else dense), so that the optimizers' share
 // of its ms / step is measured without the forward and backward passes' run-to-run noise.
@@ -77,8 +80,9 @@ int main(int argc, char** argv) {
       std::string item;
       while (std::getline(in, item, ',')) workloads.push_back(std::stoi(item));
       for (const int w : workloads) {
-        if (w < 0 || w > 6 || w == 3) {
-          std::fprintf(stderr, "gwt_bench_interleaved: workload %d: expected 0, 1, 2, 4, 5 or 6\n", w);
+        if (w < 0 || w > 7 || w == 3) {
+          std::fprintf(stderr,
+                       "gwt_bench_interleaved: workload %d: expected 0, 1, 2, 4, 5, 6 or 7\n", w);
           return 2;
         }
       }
@@ -88,7 +92,7 @@ int main(int argc, char** argv) {
     }
   }
   const char* names[] = {"llama60m",      "4096x4096",     "500x(64x64+64)", "",
-                         "train_lm tiny", "llama60m bf16", "llama60m fp16"};
+                         "train_lm tiny", "llama60m bf16", "llama60m fp16", "4096x11008"};
   std::printf(
       "| workload | variant | median ms / step | vs `at::_fused_adam_` (median of rounds) | "
       "range over rounds |\n|---|---|---:|---:|---:|\n");
@@ -162,7 +166,7 @@ int main(int argc, char** argv) {
       }
       add("WaveletAdam db2 L=2",
           wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
-      if (floors && which < 5) {                              // (the floors move float32 values)
+      if (floors && (which < 5 || which == 7)) {  // (the floors move float32 values)
         const auto shapes = gwt_bench::make_workload(which);  // each floor copies its own buffers
         // A floor that reads and writes (update) or only reads (a norm pass), with moments of
         // numel / state_div values: 4 for L=2, 16 for the 2-D step at L=2 (4x4 blocks), 1 for Adam.

@@ -16,7 +16,9 @@ namespace gwt_bench {
 /// the main job's model (examples/train_lm, preset "tiny": byte embedding and head 256x128, 4
 /// layers of q, k, v, o 128x128, gate and up 344x128, down 128x344 and two norms of 128, a final
 /// norm; 0.86M values); (5) the set of (0) in bfloat16; (6) the set of (0) in float16. fp32
-/// parameters (bfloat16 for 5, float16 for 6) with fixed gradients of their type.
+/// parameters (bfloat16 for 5, float16 for 6) with fixed gradients of their type; (7) one
+/// 4096x11008 matrix (LLaMA-7B's down projection: rows wider than a 2-D tile's budget at L=2).
+/// Workloads not listed here (2 and anything else) are (2).
 /// Whether parameter i of workload 4 is a linear layer's weight inside a block: the tensors
 /// gwt::paper_param_groups puts in the wavelet group (embedding, head and norms stay dense).
 inline bool tiny_lm_wavelet_param(const std::vector<at::Tensor>& params, size_t i) {
@@ -35,6 +37,8 @@ inline std::vector<at::Tensor> make_workload(int which, const at::Device& device
     }
   } else if (which == 1) {
     shapes.push_back({4096, 4096});
+  } else if (which == 7) {
+    shapes.push_back({4096, 11008});
   } else if (which == 3) {
     for (int layer = 0; layer < 20; ++layer) {
       for (int i = 0; i < 4; ++i) shapes.push_back({2048, 2048});
