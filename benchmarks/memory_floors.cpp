@@ -117,6 +117,9 @@ float read_streams(const float* g, const float* m, const float* v, int64_t i0, i
 }  // namespace
 
 FloorBuffers floor_buffers(const std::vector<at::Tensor>& params, int64_t state_div) {
+  // A chunk's state values end where the next chunk's begin only if state_div divides the chunk.
+  TORCH_CHECK(state_div > 0 && 4096 % state_div == 0,
+              "memory floors: state_div must divide 4096 (1, 4, 16, ...), got ", state_div);
   FloorBuffers b;
   for (const auto& x : params) {
     const int64_t n = x.numel();

@@ -29,7 +29,7 @@ namespace kernels {
 namespace GWT_KERNEL_NS {
 
 // Approximation coefficients per tile: tiles are the unit of work and of the norm's reduction,
-// fixed in size so that the summation order never depends on the number of threads.
+// fixed by the shape alone so that the summation order never depends on the number of threads.
 constexpr int64_t k_tile = 512;
 // 2-D transform: a tile spans the whole width of its block row where that keeps it within
 // k_tile_2d_elements values (and k_tile_max coefficients), so that a tile's rows, which lie one
