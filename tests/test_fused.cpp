@@ -110,6 +110,22 @@ struct BoundedRuns {
   // One step of all three with gradient g (float64 values representable in dtype), then the rule.
   void step_and_check(const at::Tensor& g, double max_relative, const std::string& what) {
     step(fused, g), step(reference, g), step(exact, g);
+    check(g, max_relative, what);
+  }
+  // As step_and_check, with the bound's guard at `fraction` of this step's largest change of the
+  // float64 run's parameters (relative to their largest magnitude), for shapes whose a priori
+  // bound grows with their coefficient count past a fixed guard. A bound under half a step's
+  // change still fails a block left out or stepped twice.
+  void step_and_check_below_step(const at::Tensor& g, double fraction, const std::string& what) {
+    const at::Tensor before = exact.param.detach().clone();
+    step(fused, g), step(reference, g), step(exact, g);
+    const at::Tensor after = exact.param.detach();
+    const double change = (after - before).abs().max().item<double>();
+    check(g, fraction * change / after.abs().max().item<double>(), what);
+  }
+
+ private:
+  void check(const at::Tensor& g, double max_relative, const std::string& what) {
     bound.step(g, exact.param.detach());
     expect_within_bound(fused.param, exact.param, bound, max_relative, what + " fused");
     expect_within_bound(reference.param, exact.param, bound, max_relative, what + " reference");
@@ -167,13 +183,19 @@ TEST(Fused, Haar2dMatchesReferenceInFloat32) {
       BoundedRuns runs(at::randn(shape, at::kDouble), at::kFloat, o);
       ASSERT_TRUE(runs.fused.opt->is_fused_param(runs.fused.param));
       // The bound takes the norm's sum over all coefficients at its a priori worst (error
-      // growing with their number), so the wide shapes' bound reaches 6.6e-4 of the parameters'
-      // largest magnitude (measured). What fails a wrong result is the element-wise check; this
-      // guard only keeps the bound from being vacuous, and 1e-3 of the largest parameter is still
-      // below one step's change of the elements (lr 0.02, |p| up to about 4).
-      const double max_relative = shape.back() > 1000 ? 1e-3 : 1e-4;
-      for (const auto& g : gwt_test::well_conditioned_gradients(shape, 5, 34, at::kFloat, true))
-        runs.step_and_check(g, max_relative, what);
+      // growing with their number), so the wide shapes' bound passes the fixed guard of 1e-4 of
+      // the parameters' largest magnitude (it reaches about 9e-4 of it). What fails a wrong result
+      // is the element-wise check; the guard only keeps the bound from being vacuous, and for them
+      // it is half of each step's largest change (the bound measured at most 0.18 of it). Both
+      // sides are float64 functions of the seeded data, so the margin is the same on every CPU
+      // (unchanged under MKL_CBWR=COMPATIBLE/AVX2/AVX512 and ATEN_CPU_CAPABILITY=default).
+      const bool wide = shape.back() > 1000;
+      for (const auto& g : gwt_test::well_conditioned_gradients(shape, 5, 34, at::kFloat, true)) {
+        if (wide)
+          runs.step_and_check_below_step(g, 0.5, what);
+        else
+          runs.step_and_check(g, 1e-4, what);
+      }
       EXPECT_EQ(runs.fused.opt->state_bytes(runs.fused.param),
                 runs.reference.opt->state_bytes(runs.reference.param));
     }
