@@ -18,13 +18,13 @@ inline void ahead(const float* x) {
   __builtin_prefetch(x + 1024, 0, 3);
 }
 
-// Chunks of 4096 values: p and g over the chunk, m and v over its 4096 / state_div state values
-// (for_groups below).
+// Chunks of k_chunk values: p and g over the chunk, m and v over its k_chunk / state_div state
+// values (for_groups below).
+constexpr int64_t k_chunk = 4096;
 template <typename Body>
 void for_chunks(int64_t n, const Body& body) {
-  constexpr int64_t chunk = 4096;
-  at::parallel_for(0, (n + chunk - 1) / chunk, 8, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) body(c * chunk, std::min(n, (c + 1) * chunk));
+  at::parallel_for(0, (n + k_chunk - 1) / k_chunk, 8, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) body(c * k_chunk, std::min(n, (c + 1) * k_chunk));
   });
 }
 
@@ -106,9 +106,9 @@ float read_streams(const float* g, const float* m, const float* v, int64_t i0, i
       });
 #if defined(__SSE__)
   float lanes[4];
-  _mm_storeu_ps(lanes, _mm_add_ps(_mm_add_ps(_mm_add_ps(acc[0], acc[1]),
-                                             _mm_add_ps(acc[2], acc[3])),
-                                  acc[4]));
+  _mm_storeu_ps(
+      lanes,
+      _mm_add_ps(_mm_add_ps(_mm_add_ps(acc[0], acc[1]), _mm_add_ps(acc[2], acc[3])), acc[4]));
   sum += lanes[0] + lanes[1] + lanes[2] + lanes[3];
 #endif
   return sum;
@@ -118,8 +118,8 @@ float read_streams(const float* g, const float* m, const float* v, int64_t i0, i
 
 FloorBuffers floor_buffers(const std::vector<at::Tensor>& params, int64_t state_div) {
   // A chunk's state values end where the next chunk's begin only if state_div divides the chunk.
-  TORCH_CHECK(state_div > 0 && 4096 % state_div == 0,
-              "memory floors: state_div must divide 4096 (1, 4, 16, ...), got ", state_div);
+  TORCH_CHECK(state_div > 0 && k_chunk % state_div == 0, "memory floors: state_div must divide ",
+              k_chunk, " (1, 4, 16, ...), got ", state_div);
   FloorBuffers b;
   for (const auto& x : params) {
     const int64_t n = x.numel();
@@ -151,9 +151,9 @@ double floor_read(const FloorBuffers& b, int64_t state_div) {
     const float* m = b.m[t].data_ptr<float>();
     const float* v = b.v[t].data_ptr<float>();
     const int64_t n = b.g[t].numel(), states = b.m[t].numel();
-    std::vector<float> partial(static_cast<size_t>((n + 4095) / 4096), 0.f);
+    std::vector<float> partial(static_cast<size_t>((n + k_chunk - 1) / k_chunk), 0.f);
     for_chunks(n, [&](int64_t i0, int64_t i1) {
-      partial[static_cast<size_t>(i0 / 4096)] = read_streams(g, m, v, i0, i1, state_div, states);
+      partial[static_cast<size_t>(i0 / k_chunk)] = read_streams(g, m, v, i0, i1, state_div, states);
     });
     for (float x : partial) total += x;
   }

@@ -246,7 +246,7 @@ class HaarAdam {
   Acc approx_scale_;
   int64_t block_rows_;  // 2-D: block rows per matrix (state rows per matrix)
   int64_t state_rows_;  // rows of exp_avg / exp_avg_sq
-  int64_t tile_len_;  // approximation coefficients per tile (the last of a row may have fewer)
+  int64_t tile_len_;    // approximation coefficients per tile (the last of a row may have fewer)
   int64_t tiles_per_row_;
   int64_t grain_;  // tiles per parallel chunk, at least
 };
