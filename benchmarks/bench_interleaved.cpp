@@ -3,12 +3,16 @@
 // a round alike. The ratio to at::_fused_adam_ is taken within each round, and the table reports
 // the median over rounds with the range.
 //
-//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4,5,6] [--floors 0|1]
+//   gwt_bench_interleaved [--rounds N] [--workloads 0,1,2,4,5,6] [--floors 0|1] [--phases 0|1]
 //
 // (the default workloads; 7 is on request).
 //
 // --floors 1 (the default) adds memory floors to workloads 0-2 and 7: loops that move a step's
 // bytes with next to no arithmetic (see FloorBuffers).
+//
+// --phases 1 (not the default) adds, on the same workloads, each pass of the fused Haar step at
+// L=2 (1-D and 2-D) alone, called through gwt/kernels.h on its own copy of the tensors: the norm
+// pass next to its read-only floor, the update pass next to its one-pass floor.
 //
 // Workloads as in gwt_bench_step (benchmarks/workloads.h): 0 llama60m, 1 4096x4096,
 // 2 500x(64x64+64), 4 the main job's model (tiny preset), 5 llama60m in bfloat16 (parameters and
@@ -34,6 +38,7 @@
 #include <vector>
 
 #include "gwt/gwt.h"
+#include "gwt/kernels.h"
 #include "memory_floors.h"
 #include "workloads.h"
 
@@ -55,7 +60,34 @@ std::unique_ptr<torch::optim::Optimizer> wavelet(std::vector<at::Tensor> params,
           nonfinite));
 }
 
-volatile double floor_sink = 0;  // keeps floor_read's sums alive
+volatile double floor_sink = 0;  // keeps floor_read's sums (and the norm passes') alive
+
+// One pass of the fused Haar step (float32, L=2) over a copy of a workload's tensors.
+struct PassBuffers {
+  std::vector<at::Tensor> keep;  // p, g, m, v of every tensor: the args point into them
+  std::vector<gwt::kernels::HaarAdamArgs> args;
+};
+
+std::shared_ptr<PassBuffers> pass_buffers(const std::vector<at::Tensor>& params, bool two_d) {
+  constexpr int64_t level = 2, block = int64_t{1} << level;
+  auto b = std::make_shared<PassBuffers>();
+  for (const auto& x : params) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "pass_buffers: float32 matrices");
+    const int64_t rows = x.size(0), n = x.size(1), approx_len = (n + block - 1) / block;
+    const int64_t state_rows = two_d ? (rows + block - 1) / block : rows;
+    const at::Tensor p = x.detach().clone(), g = x.grad().clone();
+    const at::Tensor m = at::zeros({state_rows, approx_len}), v = at::zeros_like(m);
+    b->keep.insert(b->keep.end(), {p, g, m, v});
+    gwt::kernels::HaarAdamArgs a;
+    a.param = p.data_ptr(), a.grad = g.data_ptr();
+    a.exp_avg = m.data_ptr(), a.exp_avg_sq = v.data_ptr();
+    a.rows = rows, a.n = n, a.approx_len = approx_len, a.level = level;
+    a.step_size = 1e-9;  // the passes repeat on the same values: keep p where it is
+    a.two_d = two_d, a.height = two_d ? rows : 1;
+    b->args.push_back(a);
+  }
+  return b;
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -67,13 +99,15 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int64_t rounds = 30;
   std::vector<int> workloads = {0, 1, 2, 4, 5, 6};
-  bool floors = true;
+  bool floors = true, phases = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--rounds") {
       rounds = std::max<int64_t>(3, std::stoll(value));
     } else if (flag == "--floors") {
       floors = value != "0";
+    } else if (flag == "--phases") {
+      phases = value != "0";
     } else if (flag == "--workloads") {
       workloads.clear();
       std::stringstream in(value);
@@ -186,6 +220,26 @@ int main(int argc, char** argv) {
         floor("floor: read 8.5 B, write 4.5 B (one pass, 2-D L=2)", 16, true);
         floor("floor: read 4.5 B (a norm pass, 2-D L=2)", 16, false);
         floor("floor: read 16 B, write 12 B (Adam's bytes)", 1, true);
+      }
+      if (phases && (which < 2 || which == 7)) {
+        for (const bool two_d : {false, true}) {
+          auto b = pass_buffers(gwt_bench::make_workload(which), two_d);
+          const std::string what = two_d ? "2-D L=2" : "L=2";
+          variants.push_back({"pass: the norm pass alone, haar " + what,
+                              [b] {
+                                double sum = 0;
+                                for (const auto& a : b->args)
+                                  sum += gwt::kernels::haar_adam_norm_sq_cpu(a);
+                                floor_sink = floor_sink + sum;
+                              },
+                              {}});
+          variants.push_back({"pass: the update pass alone, haar " + what,
+                              [b] {
+                                for (const auto& a : b->args)
+                                  gwt::kernels::haar_adam_update_cpu(a, 1.0);
+                              },
+                              {}});
+        }
       }
     }
     for (auto& v : variants) v.step();  // state created, caches warm

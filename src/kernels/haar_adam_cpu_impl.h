@@ -87,7 +87,7 @@ class HaarAdam {
     const int64_t tiles = state_rows_ * tiles_per_row_;
     at::parallel_for(0, tiles, grain_, [&](int64_t t0, int64_t t1) {
       Acc approx[k_tile_max];
-      for (int64_t t = t0; t < t1; ++t) tile_update(t, lim, approx);
+      for (int64_t t = t0; t < t1; ++t) tile_update(t, lim, approx, t + 1 < t1 ? t + 1 : -1);
     });
   }
 
@@ -179,7 +179,9 @@ class HaarAdam {
 
   // Update pass of one tile: m, v <- m', v';
   // p -= step_size * (g + (m' - A) 2^(-L/2)) / ((sqrt(v') + eps) lim);  p -= decay * p.
-  void tile_update(int64_t t, Acc lim, Acc* approx) const {
+  // `next`: the tile this thread updates after this one (-1: none), whose gradient the 2-D body
+  // prefetches.
+  void tile_update(int64_t t, Acc lim, Acc* approx, [[maybe_unused]] int64_t next) const {
     const Tile tl = tile(t);
     const int64_t from = simd_count(tl);
     block_sums(tl, from, approx);
@@ -195,8 +197,15 @@ class HaarAdam {
         simd::update<B>(simd_constants(), g, p, m, v, from, step, lim, keep);
       } else if (from > 0) {
         Acc factor[k_tile_max];
+        simd::NextRows<G> next_rows;
+        if (next >= 0) {
+          const Tile nt = tile(next);
+          next_rows.g = static_cast<const G*>(a_.grad) + nt.element_row * a_.n + nt.first * block_;
+          next_rows.height = nt.height;
+          next_rows.elements = std::min(nt.count * block_, a_.n - nt.first * block_);
+        }
         simd::update_by_rows<B>(simd_constants(), g, p, a_.n, tl.height, m, v, from, step, lim,
-                                keep, approx, factor);
+                                keep, approx, factor, next_rows);
       }
     }
 #endif

@@ -95,6 +95,11 @@ template <typename T>
 inline void prefetch_line(const T* x) {
   _mm_prefetch(reinterpret_cast<const char*>(x) + k_ahead * sizeof(float), _MM_HINT_T0);
 }
+/// Prefetch of the 64-byte line at x into L2 (not L1): data a later phase reads.
+template <typename T>
+inline void prefetch_line_l2(const T* x) {
+  _mm_prefetch(reinterpret_cast<const char*>(x), _MM_HINT_T1);
+}
 /// Values of type T per 64-byte line: the loops prefetch one line per that many values.
 template <typename T>
 constexpr int k_per_line = static_cast<int>(64 / sizeof(T));
@@ -189,11 +194,23 @@ inline float norm_sq_by_rows(const StepConstants& c, const G* g, int64_t stride,
   return lane_sum(acc);
 }
 
+/// The next tile's gradient, which the update of this one prefetches into L2 as it goes (nullptr:
+/// none): `height` rows of `elements` values, `stride` apart.
+template <typename G>
+struct NextRows {
+  const G* g = nullptr;
+  int64_t height = 0, elements = 0;
+};
+
 /// As update(), the blocks' factors and shifts first (into a and factor), then row after row.
+/// The row loop reads one DRAM stream (p) where update() reads two (g and p), and the block sums
+/// before it read only g: a core keeps too few misses in flight on one stream to reach the
+/// memory's rate. So while the rows of p stream, the next tile's gradient is prefetched at the
+/// same pace (a line of it per line of p), and that tile's block sums then read it from L2.
 template <int B, typename G, typename P, typename S>
 inline void update_by_rows(const StepConstants& c, const G* g, P* p, int64_t stride, int64_t height,
                            S* m, S* v, int64_t count, float step, float lim, float keep, float* a,
-                           float* factor) {
+                           float* factor, const NextRows<G>& next) {
   approx_by_rows<B>(c, g, stride, height, count, a);
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
@@ -205,9 +222,19 @@ inline void update_by_rows(const StepConstants& c, const G* g, P* p, int64_t str
     _mm256_storeu_ps(factor + j, _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v)));
     _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_sub_ps(mv.m, aj), c.scale));  // the shift
   }
+  // Lines of the next tile's gradient, in order, spread over this tile's groups of 8 blocks.
+  const int64_t next_lines = next.g == nullptr ? 0 : next.height * (next.elements / k_per_line<G>);
+  const int64_t lines_per_row = next.elements / k_per_line<G>;
+  const int64_t groups = height * (count / 8);
+  int64_t line = 0;
   for (int64_t r = 0; r < height; ++r)
     for (int64_t j = 0; j < count; j += 8) {
       for (int e = 0; e < 8 * B; e += k_per_line<P>) prefetch_line(p + r * stride + j * B + e);
+      // Line `line` up to the share of group (r, j) of all next_lines.
+      const int64_t group = r * (count / 8) + j / 8 + 1;
+      for (const int64_t until = next_lines * group / groups; line < until; ++line)
+        prefetch_line_l2(next.g + line / lines_per_row * stride +
+                         line % lines_per_row * k_per_line<G>);
       update_elements8<B>(g + r * stride + j * B, p + r * stride + j * B,
                           _mm256_loadu_ps(factor + j), _mm256_loadu_ps(a + j), keep_v);
     }
