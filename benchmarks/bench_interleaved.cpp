@@ -10,7 +10,7 @@
 // --floors 1 (the default) adds memory floors to workloads 0-2 and 7: loops that move a step's
 // bytes with next to no arithmetic (see FloorBuffers).
 //
-// --phases 1 (not the default) adds, on the same workloads, each pass of the fused Haar step at
+// --phases 1 (not the default) adds, on workloads 0, 1 and 7, each pass of the fused Haar step at
 // L=2 (1-D and 2-D) alone, called through gwt/kernels.h on its own copy of the tensors: the norm
 // pass next to its read-only floor, the update pass next to its one-pass floor.
 //

@@ -79,6 +79,10 @@ class RoundingBound {
         u_(unit_roundoff(param_dtype == at::kDouble ? at::kDouble : at::kFloat)),
         u_param_(unit_roundoff(param_dtype)),
         u_state_(unit_roundoff(state_dtype)),
+        // A reduced-precision run is compared with the float64 run, whose own error (far below
+        // the reduced run's) this term covers. A float64 run is compared with another float64
+        // run, each bounded on its own (Float64Runs doubles the bound): no such term.
+        reference_rel_(param_dtype == at::kDouble ? 0.0 : 1e-13),
         two_d_(o.transform() == "2d") {
     TORCH_CHECK(o.dim() == -1 || o.dim() == static_cast<int64_t>(shape.size()) - 1,
                 "RoundingBound: dim -1 only");
@@ -158,7 +162,7 @@ class RoundingBound {
     const at::Tensor p_abs = p_exact.abs();
     const at::Tensor add =
         step_size * (coeff_rel + limiter_rel_ + (2 * ops + 4) * u_) * update_abs +
-        (4 * u_ + u_param_) * p_abs + 1e-13 * (p_abs + step_size * update_abs);  // float64 run
+        (4 * u_ + u_param_) * p_abs + reference_rel_ * (p_abs + step_size * update_abs);
     bound_ = bound_.defined() ? bound_ + add : add;
   }
 
@@ -199,7 +203,7 @@ class RoundingBound {
 
   gwt::WaveletAdamOptions o_;
   std::vector<int64_t> shape_;
-  double u_, u_param_, u_state_;
+  double u_, u_param_, u_state_, reference_rel_;
   bool two_d_;
   at::Tensor wa_, ra_;
   std::vector<at::Tensor> wd_, rd_;

@@ -621,7 +621,7 @@ TEST(Distributed, CompressedAllReduceTrainsTheTinyLmLikeTheFullOne) {
             << rows["wavelet"][1] / rows["none"][1] << "x\n";
   // Measured here: +0.20% (2.6144 against 2.6091). Both runs are float32 with fixed seeds. Another
   // CPU rounds differently, and rounding differences grow along a training run, so how far can
-  // the ratio move? At most as far as a new seed moves it, a far larger perturbation (another
+  // the ratio move? About as far as a new seed moves it, a far larger perturbation (another
   // initial model and other batches): over 8 seeds (1234 + k for the model, 42 + k for the
   // batches, k = 0..7; 2026-12-06, AMD EPYC) it was +0.13% to +1.34%, mean +0.59%. So 2% lies
   // 1.5x above the worst seed and about 3.4 standard deviations above the mean, while the schemes

@@ -2,9 +2,9 @@
 // host with several lanes: one std::thread per lane and a barrier for Lanes::sync(), so the
 // barriers and the lanes' shares of the work are exercised, not only the arithmetic
 // (tests/test_fused.cpp's KernelRows tests run one lane). Everything is float64 and compared with
-// the ATen reference (fused(false)) to 1e-10, on gradients of one sign per matrix (below); each case runs twice
-// and must give the same bits, since a race (a lane reading scratch another lane has not finished
-// writing, or has already overwritten) shows as a wrong or a varying result.
+// the ATen reference (fused(false)) to 1e-10, on gradients of one sign per matrix (below); each
+// case runs twice and must give the same bits, since a race (a lane reading scratch another lane
+// has not finished writing, or has already overwritten) shows as a wrong or a varying result.
 //
 // Also here: the fixed-order sum of the CUDA norm passes' per-block partials (row::tree_sum), the
 // run-time check that a CUDA device has a kernel image (kernels::cuda_kernels_run_on), and, where

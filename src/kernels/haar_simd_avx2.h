@@ -195,7 +195,7 @@ inline float norm_sq_by_rows(const StepConstants& c, const G* g, int64_t stride,
 }
 
 /// The next tile's gradient, which the update of this one prefetches into L2 as it goes (nullptr:
-/// none): `height` rows of `elements` values, `stride` apart.
+/// none): `height` rows of `elements` values, the rows update_by_rows' `stride` apart.
 template <typename G>
 struct NextRows {
   const G* g = nullptr;
