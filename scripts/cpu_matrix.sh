@@ -3,12 +3,15 @@
 # conditional numerical reproducibility modes (MKL_CBWR; MKL falls back where the CPU lacks an
 # instruction set), ATen's dispatch level (ATEN_CPU_CAPABILITY), gwt's own kernels without AVX2
 # (GWT_NO_AVX2=1), the one-row general kernel on every row (GWT_NO_ROWS8=1: the AVX2 build steps
-# float32 rows eight at a time otherwise), and 1 and 2 threads. Run by .ci/run after scripts/test.sh has built build/.
+# float32 rows eight at a time otherwise), and 1 and 2 threads; gwt_gpu_check's CPU checks
+# (device against reference in every dtype) too, where it is built. Run by .ci/run after
+# scripts/test.sh has built build/.
 #
 #   ./scripts/cpu_matrix.sh [build dir] [gtest filter]
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${1:-$root/build}/tests/gwt_tests"
+checks="${1:-$root/build}/benchmarks/gwt_gpu_check"
 filter="${2:-Fused.*:KernelRows.*:KernelLanes.*:WaveletAdam*.*:Transform*.*:Compression.*}"
 [[ -x "$bin" ]] || { echo "cpu_matrix: $bin not built (run ./scripts/test.sh first)" >&2; exit 2; }
 settings=(
@@ -19,14 +22,25 @@ settings=(
 passed=0 failed=0 failures=()
 for setting in "${settings[@]}"; do
   start=$SECONDS
-  if out=$(env "$setting" "$bin" --gtest_filter="$filter" --gtest_brief=1 2>&1); then
+  ok=1
+  out=$(env "$setting" "$bin" --gtest_filter="$filter" --gtest_brief=1 2>&1) || ok=0
+  tests=$(printf '%s\n' "$out" | sed -n 's/^\[==========\] \([0-9]*\) tests.*ran.*/\1/p' | tail -1)
+  extra=""
+  if [[ -x "$checks" ]]; then
+    extra=" + gwt_gpu_check"
+    check_out=$(env "$setting" "$checks" --device cpu --checks-only 2>&1)
+    if ! grep -q '^all checks passed' <<<"$check_out"; then
+      ok=0 out="$out"$'\n'"$(grep -E 'FAIL|rror' <<<"$check_out" | head -20)"
+    fi
+  fi
+  if [[ $ok -eq 1 ]]; then
     passed=$((passed + 1)); verdict=ok
   else
     failed=$((failed + 1)); verdict=FAILED; failures+=("$setting")
     printf '%s\n' "$out" | grep -vE '^\[       OK|^\[ RUN' | tail -40
   fi
-  tests=$(printf '%s\n' "$out" | sed -n 's/^\[==========\] \([0-9]*\) tests.*ran.*/\1/p' | tail -1)
-  printf 'cpu_matrix: %-28s %-6s %s tests, %ds\n' "$setting" "$verdict" "${tests:-?}" $((SECONDS - start))
+  printf 'cpu_matrix: %-28s %-6s %s tests%s, %ds\n' "$setting" "$verdict" "${tests:-?}" "$extra" \
+    $((SECONDS - start))
 done
 [[ $failed -eq 0 ]] || echo "cpu_matrix: failed under ${failures[*]}"
 echo "cpu_matrix: $passed passed, $failed failed"
