@@ -222,19 +222,23 @@ inline void update_by_rows(const StepConstants& c, const G* g, P* p, int64_t str
     _mm256_storeu_ps(factor + j, _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v)));
     _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_sub_ps(mv.m, aj), c.scale));  // the shift
   }
-  // Lines of the next tile's gradient, in order, spread over this tile's groups of 8 blocks.
-  const int64_t next_lines = next.g == nullptr ? 0 : next.height * (next.elements / k_per_line<G>);
-  const int64_t lines_per_row = next.elements / k_per_line<G>;
+  // A cursor over the next tile's gradient, a line at a time, row after row. Each group of 8
+  // blocks of this tile moves it on by one group's share of the lines (rounded up), so that it
+  // keeps pace with this tile's rows; no division in the loop.
+  const int64_t row_values = next.elements / k_per_line<G> * k_per_line<G>;  // whole lines
   const int64_t groups = height * (count / 8);
-  int64_t line = 0;
+  const int64_t per_group =
+      next.g == nullptr ? 0 : (next.height * (row_values / k_per_line<G>) + groups - 1) / groups;
+  const G* next_row = next.g;
+  int64_t next_col = 0, rows_left = row_values == 0 ? 0 : next.height;
   for (int64_t r = 0; r < height; ++r)
     for (int64_t j = 0; j < count; j += 8) {
       for (int e = 0; e < 8 * B; e += k_per_line<P>) prefetch_line(p + r * stride + j * B + e);
-      // Line `line` up to the share of group (r, j) of all next_lines.
-      const int64_t group = r * (count / 8) + j / 8 + 1;
-      for (const int64_t until = next_lines * group / groups; line < until; ++line)
-        prefetch_line_l2(next.g + line / lines_per_row * stride +
-                         line % lines_per_row * k_per_line<G>);
+      for (int64_t k = 0; k < per_group && rows_left > 0; ++k) {
+        prefetch_line_l2(next_row + next_col);
+        next_col += k_per_line<G>;
+        if (next_col == row_values) next_col = 0, next_row += stride, --rows_left;
+      }
       update_elements8<B>(g + r * stride + j * B, p + r * stride + j * B,
                           _mm256_loadu_ps(factor + j), _mm256_loadu_ps(a + j), keep_v);
     }
