@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -211,5 +212,19 @@ class RoundingBound {
   double kappa_ = 0, limiter_rel_ = 0, ops_ = 0;
   int64_t t_ = 0;
 };
+
+/// Two float64 runs of one rule (fused and reference, device and CPU) after the same steps: each
+/// lies within `bound` (built for float64 parameters and moments) of the exact result, so they lie
+/// within twice it of each other. The rule means something only where the bound is small: at most
+/// `max_relative` x max(1, kappa) of |other|'s largest value, with kappa at most 1e5 (a sum that
+/// cancels outright would excuse any result). tests/test_fused.cpp (expect_float64_pair) says why.
+inline bool float64_pair_holds(const at::Tensor& run, const at::Tensor& other,
+                               const RoundingBound& bound, double max_relative) {
+  const at::Tensor& b = bound.bound();
+  return ((run.to(at::kDouble) - other).abs() <= 2 * b).all().item<bool>() &&
+         b.max().item<double>() <=
+             max_relative * std::max(1.0, bound.kappa()) * other.abs().max().item<double>() &&
+         bound.kappa() <= 1e5;
+}
 
 }  // namespace gwt_test

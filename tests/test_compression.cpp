@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "float_bound.h"
 #include "gwt/gwt.h"
 #include "test_util.h"
 
@@ -134,15 +135,14 @@ TEST(Compression, TwoDimensionalPathFollowsTheRule) {
     WaveletAdam opt({p}, o);
     EXPECT_EQ(opt.is_fused_param(p), c.wavelet == "haar" && c.threshold == 0);
     Spec spec;
-    for (int t = 0; t < 5; ++t) {
-      // One sign per step (as in the 1-D rule's tests): no block sum cancels, so 1e-10 does not
-      // rest on how the kernel and the spec round a nearly cancelled sum the step divides by.
-      const double sign = at::rand({}, at::kDouble).item<double>() < 0.5 ? -1.0 : 1.0;
-      const at::Tensor g = sign * (at::rand(c.shape, at::kDouble) + 0.5) * (1 + 2 * t);
+    // One sign per matrix and step: no block or filter sum cancels, so 1e-10 does not rest on how the
+    // kernel and the spec round a nearly cancelled sum the step divides by.
+    int t = 0;
+    for (const auto& g : gwt_test::well_conditioned_gradients(c.shape, 5, 31, at::kDouble, true)) {
       p.mutable_grad() = g.clone();
       opt.step();
       spec_2d_step(expected, g, spec, o);
-      EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-10) << "step " << t;
+      EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-10) << "step " << t++;
     }
   }
 }
@@ -168,17 +168,16 @@ TEST(Compression, ThresholdingFollowsTheRuleAndReportsWhatIsKept) {
     at::Tensor expected = p.detach().clone();
     WaveletAdam opt({p}, o);
     Spec spec;
-    for (int t = 0; t < 4; ++t) {
-      // One sign per step: no filter sum cancels (zero mode's edges aside), so 1e-12 does not
-      // rest on how the kernel and the spec round a nearly cancelled sum the step divides by.
-      // Magnitudes in [1.5, 4.5), so that the details straddle the threshold in the interior
-      // too, not only at zero mode's edges.
-      const double sign = at::rand({}, at::kDouble).item<double>() < 0.5 ? -1.0 : 1.0;
-      const at::Tensor g = sign * (at::rand({6, 40}, at::kDouble) + 0.5) * 3;
+    // One sign per row and step: no filter sum cancels (zero mode's edges aside), so 1e-12 does
+    // not rest on how the kernel and the spec round a nearly cancelled sum the step divides by.
+    // The magnitudes grow ([0.5, 1.5) times 1, 3, 5, 7), so the details straddle the threshold in
+    // the interior too, not only at zero mode's edges.
+    int t = 0;
+    for (const auto& g : gwt_test::well_conditioned_gradients({6, 40}, 4, 32, at::kDouble)) {
       p.mutable_grad() = g.clone();
       opt.step();
       spec_1d_step(expected, g, spec, o);
-      EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-12) << mode << " step " << t;
+      EXPECT_LE(max_abs_diff(p.detach(), expected), 1e-12) << mode << " step " << t++;
     }
     const auto& s = state_of(opt, p);
     const auto c = gwt::wavedec(at::randn({6, 40}, at::kDouble), "db2", 2);

@@ -28,8 +28,9 @@ def test_pure_torch_gwt_follows_the_same_rule():
     # Haar kernel computes the same update in another order of operations (its closed form per
     # block), so the two differ by rounding: a few ulps of the update (<= 1e-2 here) per step,
     # far below 1e-12; a different rule would differ by 1e-3 or more. Each gradient has one sign
-    # (drawn per tensor and step; magnitudes in [0.5, 1.5)): on random signs a block sum can nearly cancel, the step
-    # divides by it, and the difference would rest on how each side rounds that sum.
+    # (drawn per tensor and step; magnitudes in [0.5, 1.5)): on random signs a block sum can
+    # nearly cancel, the step divides by it, and the difference would rest on how each side rounds
+    # that sum.
     shapes = [(8, 64), (16, 32), (4, 3, 16)]
     params0 = [torch.randn(s, dtype=torch.float64) for s in shapes]
     a = [p.clone().requires_grad_() for p in params0]

@@ -225,10 +225,10 @@ inline void update_by_rows(const StepConstants& c, const G* g, P* p, int64_t str
   // A cursor over the next tile's gradient, a line at a time, row after row. Each group of 8
   // blocks of this tile moves it on by one group's share of the lines (rounded up), so that it
   // keeps pace with this tile's rows; no division in the loop.
-  const int64_t row_values = next.elements / k_per_line<G> * k_per_line<G>;  // whole lines
+  const int64_t lines_per_row = next.elements / k_per_line<G>;  // whole lines
+  const int64_t row_values = lines_per_row * k_per_line<G>;
   const int64_t groups = height * (count / 8);
-  const int64_t per_group =
-      next.g == nullptr ? 0 : (next.height * (row_values / k_per_line<G>) + groups - 1) / groups;
+  const int64_t per_group = next.g == nullptr ? 0 : (next.height * lines_per_row + groups - 1) / groups;
   const G* next_row = next.g;
   int64_t next_col = 0, rows_left = row_values == 0 ? 0 : next.height;
   for (int64_t r = 0; r < height; ++r)
