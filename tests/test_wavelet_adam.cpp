@@ -2,6 +2,7 @@
 // out in plain ATen ops here.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -265,6 +266,65 @@ TEST(WaveletAdam, DenseLoopMatchesTheReference) {
   }
 }
 
+// The dense loop (gwt::kernels::dense_adam_update_cpu: 8 floats or 4 doubles per AVX2 register, or
+// the baseline build's plain loop) against the rule written here one IEEE operation at a time,
+// bit for bit. Exact by construction: each operation is rounded once to the nearest, whatever
+// the build (volatile keeps the compiler from fusing a multiply and an add here; the kernel keeps
+// them apart itself). 70001 values: more than two parallel chunks, and a last value that goes
+// through the padded register; 13 values: a tail of 5 floats after one register. Weight decay on
+// and off. The step size is the optimizer's expression (optim_detail::adam_step_size) in double.
+template <typename T>
+T rounded_once(T x) {
+  volatile T y = x;
+  return y;
+}
+
+TEST(WaveletAdam, DenseLoopIsTheRuleOperationByOperation) {
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const int64_t n : {int64_t{70001}, int64_t{13}}) {
+      for (const double wd : {0.1, 0.0}) {
+        SCOPED_TRACE(std::string(dtype == at::kFloat ? "float32" : "float64") + " n " +
+                     std::to_string(n) + " wd " + std::to_string(wd));
+        at::manual_seed(23);
+        at::Tensor p = at::randn({n}, dtype).requires_grad_(true);
+        at::Tensor expected = p.detach().clone(), m = at::zeros_like(expected),
+                   v = at::zeros_like(expected);
+        const auto o = WaveletAdamOptions(0.01).weight_decay(wd).eps(1e-6);
+        WaveletAdam opt({p}, o);
+        ASSERT_FALSE(opt.is_wavelet_param(p));
+        for (int t = 1; t <= 3; ++t) {
+          const at::Tensor g = at::randn({n}, dtype);
+          p.mutable_grad() = g.clone();
+          opt.step();
+          const double step_size =
+              0.01 * std::sqrt(1 - std::pow(0.999, t)) / (1 - std::pow(0.9, t));
+          AT_DISPATCH_FLOATING_TYPES(dtype, "rule", [&] {
+            const scalar_t b1 = 0.9, b2 = 0.999, c1 = static_cast<scalar_t>(1 - 0.9),
+                           c2 = static_cast<scalar_t>(1 - 0.999), eps = static_cast<scalar_t>(1e-6),
+                           step = static_cast<scalar_t>(-step_size),
+                           decay = static_cast<scalar_t>(-(0.01 * wd));
+            scalar_t* e = expected.data_ptr<scalar_t>();
+            scalar_t* mm = m.data_ptr<scalar_t>();
+            scalar_t* vv = v.data_ptr<scalar_t>();
+            const scalar_t* gg = g.data_ptr<scalar_t>();
+            for (int64_t i = 0; i < n; ++i) {
+              mm[i] = rounded_once(rounded_once(mm[i] * b1) + rounded_once(c1 * gg[i]));
+              vv[i] = rounded_once(rounded_once(vv[i] * b2) +
+                                   rounded_once(rounded_once(c2 * gg[i]) * gg[i]));
+              const scalar_t denom = rounded_once(rounded_once(std::sqrt(vv[i])) + eps);
+              e[i] = rounded_once(e[i] + rounded_once(rounded_once(step * mm[i]) / denom));
+              if (wd != 0) e[i] = rounded_once(e[i] + rounded_once(decay * e[i]));
+            }
+          });
+          ASSERT_TRUE(at::equal(p.detach(), expected)) << "step " << t;
+          ASSERT_TRUE(at::equal(state_of(opt, p).exp_avg(), m));
+          ASSERT_TRUE(at::equal(state_of(opt, p).exp_avg_sq(), v));
+        }
+      }
+    }
+  }
+}
+
 // nonfinite: "skip_step" leaves every parameter and its state bit-unchanged when one gradient is
 // not finite; "skip_param" leaves only that parameter so, and steps the others exactly as an
 // optimizer over them alone would (the same kernels on the same data: compared bit for bit).
@@ -273,7 +333,8 @@ TEST(WaveletAdam, NonFiniteSkipsTheStepOrOnlyTheParameter) {
     for (const std::string mode : {"skip_step", "skip_param"}) {
       SCOPED_TRACE(mode + (fused ? " fused" : " reference"));
       at::manual_seed(5);
-      std::vector<at::Tensor> params = {make_param({8, 32}, at::kFloat), make_param({8, 32}, at::kFloat),
+      std::vector<at::Tensor> params = {make_param({8, 32}, at::kFloat),
+                                        make_param({8, 32}, at::kFloat),
                                         make_param({7}, at::kFloat)};
       std::vector<at::Tensor> alone = {params[0].detach().clone().requires_grad_(true),
                                        params[2].detach().clone().requires_grad_(true)};

@@ -106,6 +106,29 @@ int64_t wavelet_row_scratch_bytes(int64_t n, int64_t filter_length, int64_t leve
 /// The most shared memory one block may have on the current CUDA device (0 without CUDA).
 int64_t wavelet_adam_cuda_max_scratch_bytes();
 
+/// Adam's rule on a dense parameter (SPEC 1.2) on the CPU: n contiguous values of p, g, m and v,
+/// all float32 or all float64, in the order of the reference's ATen ops, each product, sum,
+/// quotient and square root rounded on its own (no fused multiply-add), so that the AVX2 and the
+/// baseline builds give the same bits:
+///   m = m * beta1 + (1 - beta1) * g;   v = v * beta2 + ((1 - beta2) * g) * g;
+///   p = p + (-step_size * m) / (sqrt(v) + eps);   then, with decay: p = p + (-decay) * p.
+/// Parallel over chunks of at least 32768 values; every value takes the same operations wherever
+/// a chunk starts, so the result does not depend on the number of threads.
+struct DenseAdamArgs {
+  void* param = nullptr;
+  const void* grad = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  bool f64 = false;  ///< float64 tensors (float32 otherwise)
+  int64_t n = 0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-6;
+  double step_size = 0;      ///< lr * bias correction
+  double decay = 0;          ///< lr * weight_decay
+  bool apply_decay = false;  ///< weight_decay != 0 (decay may round to 0 and still be applied)
+};
+
+void dense_adam_update_cpu(const DenseAdamArgs& args);
+
 /// Whether every one of the n values at data is finite (no NaN, no infinity). CPU, parallel,
 /// one read of the data.
 bool all_finite_cpu(const void* data, int64_t n, ScalarKind kind);

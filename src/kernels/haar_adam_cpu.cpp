@@ -1,7 +1,8 @@
-// CPU entry of the fused Haar WaveletAdam passes: checks the arguments and picks the AVX2 build of
-// the body when the CPU has it (x86-64), the baseline build otherwise.
+// CPU entry of the fused Haar WaveletAdam passes and of the dense loop: checks the arguments and
+// picks the AVX2 build of the body when the CPU has it (x86-64), the baseline build otherwise.
 
 #define GWT_KERNEL_NS baseline
+#include "dense_adam_cpu_impl.h"
 #include "haar_adam_cpu_impl.h"
 
 namespace gwt {
@@ -12,6 +13,7 @@ namespace avx2 {
 double haar_adam_norm_sq_entry(const HaarAdamArgs& args);
 void haar_adam_update_entry(const HaarAdamArgs& args, double lim);
 bool all_finite_entry(const void* data, int64_t n, ScalarKind kind);
+void dense_adam_update_entry(const DenseAdamArgs& args);
 }  // namespace avx2
 namespace {
 const bool k_has_avx2 = avx2_kernels_enabled();  // CPU support, unless GWT_NO_AVX2
@@ -45,6 +47,11 @@ double haar_adam_norm_sq_cpu(const HaarAdamArgs& args) {
 void haar_adam_update_cpu(const HaarAdamArgs& args, double lim) {
   check(args);
   GWT_DISPATCH(baseline::haar_adam_update(args, lim), avx2::haar_adam_update_entry(args, lim));
+}
+
+void dense_adam_update_cpu(const DenseAdamArgs& args) {
+  TORCH_INTERNAL_ASSERT(args.n >= 0);
+  GWT_DISPATCH(baseline::dense_adam_update(args), avx2::dense_adam_update_entry(args));
 }
 
 #undef GWT_DISPATCH

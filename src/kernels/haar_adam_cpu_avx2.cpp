@@ -1,7 +1,8 @@
-// The fused Haar body compiled with -mavx2 -mfma (see CMakeLists.txt); called only after the CPU
-// reported both.
+// The fused Haar body and the dense loop compiled with -mavx2 -mfma (see CMakeLists.txt); called
+// only after the CPU reported both.
 
 #define GWT_KERNEL_NS avx2
+#include "dense_adam_cpu_impl.h"
 #include "haar_adam_cpu_impl.h"
 
 namespace gwt {
@@ -15,6 +16,9 @@ void haar_adam_update_entry(const HaarAdamArgs& args, double lim) {
 }
 bool all_finite_entry(const void* data, int64_t n, ScalarKind kind) {
   return all_finite(data, n, kind);
+}
+void dense_adam_update_entry(const DenseAdamArgs& args) {
+  dense_adam_update(args);
 }
 }  // namespace avx2
 }  // namespace kernels
