@@ -5,8 +5,9 @@
 #
 # Builds the CPU library and gwt_tests with gcov instrumentation (--coverage -O0, no CUDA) in
 # build-cov/, runs gwt_tests (the ctest-only consumer tests, which install and rebuild the package,
-# are left out: they exercise CMake, not src/), and writes with gcovr (Debian's package, installed
-# by the set-up):
+# are left out: they exercise CMake, not src/), then its kernel tests again with the baseline
+# kernel bodies forced (GWT_NO_AVX2=1 GWT_NO_ROWS8=1), and writes with gcovr (Debian's package,
+# installed by the set-up):
 #   build-cov/coverage/summary.txt      per-file lines, with the uncovered line numbers
 #   build-cov/coverage/index.html       annotated sources
 #   build-cov/coverage/coverage.json    gcovr's JSON (for scripting)
@@ -39,6 +40,14 @@ locked cmake --build "$dir" --target gwt_tests --parallel "${GWT_JOBS:-$(nproc)}
 find "$dir" -name '*.gcda' -delete
 gwt_log "running gwt_tests --gtest_filter='$filter' (instrumented, -O0: slower than usual)"
 (cd "$dir/tests" && ./gwt_tests --gtest_brief=1 "--gtest_filter=$filter")
+# The kernels' baseline builds (and the one-row general body) run only where the AVX2 ones do not:
+# the kernel tests again with them forced, so that their lines count (gcov adds the runs up).
+kernel_tests='Fused.*:WaveletAdam.*:WaveletAdamKernels.*:KernelRows.*:Errors.*'
+if [[ "$filter" == "*" ]]; then
+  gwt_log "running the kernel tests again with GWT_NO_AVX2=1 GWT_NO_ROWS8=1 (the baseline bodies)"
+  (cd "$dir/tests" && GWT_NO_AVX2=1 GWT_NO_ROWS8=1 ./gwt_tests --gtest_brief=1 \
+    "--gtest_filter=$kernel_tests")
+fi
 
 out="$dir/coverage"
 rm -rf "$out" && mkdir -p "$out"

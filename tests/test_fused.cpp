@@ -177,11 +177,14 @@ const gwt::WaveletAdamParamState& state_of(const OptRun& r) {
 }
 
 TEST(Fused, HaarMatchesReferenceInFloat32AcrossShapesAndLevels) {
+  // Levels 4 and 5 (the kernel's instance with a run-time block size) where the rows have 2^level
+  // values.
   const std::vector<std::vector<int64_t>> shapes = {
       {8, 64}, {5, 37}, {3, 4, 33}, {2, 1031}, {16, 8}};
   for (const auto& shape : shapes)
-    for (int64_t level : {1, 2, 3})
+    for (int64_t level : {1, 2, 3, 4, 5})
       for (double gamma : {1.01, 0.0}) {
+        if (shape.back() < (int64_t{1} << level)) continue;  // dense: not this kernel's case
         const std::string what = "shape " + c10::str(at::IntArrayRef(shape)) + " level " +
                                  std::to_string(level) + " gamma " + std::to_string(gamma);
         const auto o = base_options().level(level).norm_growth_limit(gamma);
@@ -212,8 +215,8 @@ TEST(Fused, Haar2dMatchesReferenceInFloat32) {
   // than 512 coefficients wide at levels 1 and 2; 13 x 8201 splits its rows at every level, into
   // tiles of 2048 coefficients (levels 1 and 2) or 512 (level 3), with a short last one that ends
   // in a partial block, and its last block row is partial (13 rows).
-  const std::vector<std::vector<int64_t>> shapes = {{64, 96},  {3, 17, 40}, {8, 8},
-                                                    {37, 70},  {12, 2100},  {13, 8201}};
+  const std::vector<std::vector<int64_t>> shapes = {{64, 96}, {3, 17, 40}, {8, 8},
+                                                    {37, 70}, {12, 2100},  {13, 8201}};
   for (const auto& shape : shapes)
     for (int64_t level : {1, 2, 3}) {
       const std::string what =
@@ -244,15 +247,24 @@ TEST(Fused, HaarMatchesReferenceInFloat64) {
   struct Case {
     std::string transform;
     std::vector<int64_t> shape;
+    std::vector<int64_t> levels;
   };
   // 2-D: the CPU kernel's tiles, whole block rows (12 x 2100) and split ones (13 x 8201), as in
   // Haar2dMatchesReferenceInFloat32. The gradients have one sign per row (per matrix for 2-D)
   // and step: with random signs a block's sum A can nearly cancel, the step divides by |A|, and
   // the difference of the runs then rests on the rounding of A, which differs between ATen's
   // instruction sets. With one sign no block sum cancels (kappa 1), and the bound is small.
-  for (const auto& c : std::vector<Case>{
-           {"1d", {6, 45}}, {"1d", {4, 2048}}, {"2d", {12, 2100}}, {"2d", {13, 8201}}})
-    for (int64_t level : {1, 2, 3}) {
+  // Levels 4 and 5 take the kernel's instance with a run-time block size (1 to 3 have their own),
+  // on shapes with 2^level elements along each transformed axis, and rows that end in a partial
+  // block (200 = 6 x 32 + 8; 70 x 100 with blocks of 16 x 16 and 32 x 32).
+  const std::vector<int64_t> low = {1, 2, 3}, high = {4, 5};
+  for (const auto& c : std::vector<Case>{{"1d", {6, 45}, low},
+                                         {"1d", {4, 2048}, low},
+                                         {"2d", {12, 2100}, low},
+                                         {"2d", {13, 8201}, low},
+                                         {"1d", {5, 200}, high},
+                                         {"2d", {70, 100}, high}})
+    for (const int64_t level : c.levels) {
       const std::string what = c.transform + " shape " + c10::str(at::IntArrayRef(c.shape)) +
                                " level " + std::to_string(level);
       Float64Runs runs(at::randn(c.shape, at::kDouble),
@@ -427,8 +439,8 @@ TEST(Fused, AvxBodiesInFloat16GiveTheFloat32StepRounded) {
       for (const std::string boundary : {"zero", "symmetric", "periodization"})
         cases.push_back({base_options().wavelet(wavelet).boundary(boundary).level(2), {16, 100}});
   for (const auto& c : cases) {
-    const std::string what = c.options.wavelet() + " L=" + std::to_string(c.options.level()) +
-                             " " + c.options.transform() + " " + c.options.boundary();
+    const std::string what = c.options.wavelet() + " L=" + std::to_string(c.options.level()) + " " +
+                             c.options.transform() + " " + c.options.boundary();
     const at::Tensor init = at::randn(c.shape, at::kDouble).to(at::kHalf).to(at::kDouble);
     const at::Tensor g = at::randn(c.shape, at::kDouble).to(at::kHalf).to(at::kDouble);
     OptRun f32 = make_run(init, at::kFloat, WaveletAdamOptions(c.options).fused(true));
@@ -606,9 +618,9 @@ TEST(KernelSimd, HalfConversionsAreC10s) {
     uint32_t e, w;
     std::memcpy(&e, &expected, sizeof e), std::memcpy(&w, &widened[u], sizeof w);
     if (e == w) continue;
-    widen_mismatches += !(c10_keeps_nan_payloads &&
-                          same_nan(e, w, 0x80000000u, std::isnan(expected),
-                                   std::isnan(widened[u])));
+    widen_mismatches +=
+        !(c10_keeps_nan_payloads &&
+          same_nan(e, w, 0x80000000u, std::isnan(expected), std::isnan(widened[u])));
   }
   EXPECT_EQ(widen_mismatches, 0);
 
@@ -624,9 +636,8 @@ TEST(KernelSimd, HalfConversionsAreC10s) {
     const c10::Half expected(floats[i]);
     if (expected.x == rounded[i]) continue;
     const bool result_nan = (rounded[i] & 0x7C00) == 0x7C00 && (rounded[i] & 0x03FF) != 0;
-    if (c10_keeps_nan_payloads &&
-        same_nan(expected.x, rounded[i], 0x8000u, std::isnan(static_cast<float>(expected)),
-                 result_nan))
+    if (c10_keeps_nan_payloads && same_nan(expected.x, rounded[i], 0x8000u,
+                                           std::isnan(static_cast<float>(expected)), result_nan))
       continue;
     if (round_mismatches++ == 0) std::memcpy(&first_mismatch, &floats[i], sizeof first_mismatch);
   }
@@ -648,11 +659,10 @@ TEST(WaveletAdamKernels, AllFiniteFindsEveryNonFiniteValueInEveryDtype) {
                                             : gwt::kernels::ScalarKind::bf16;
     // The dtype's largest finite value and its smallest subnormal.
     const std::pair<double, double> extremes =
-        dtype == at::kDouble ? std::make_pair(std::numeric_limits<double>::max(),
-                                              std::numeric_limits<double>::denorm_min())
-        : dtype == at::kFloat
-            ? std::make_pair(double{std::numeric_limits<float>::max()},
-                             double{std::numeric_limits<float>::denorm_min()})
+        dtype == at::kDouble  ? std::make_pair(std::numeric_limits<double>::max(),
+                                               std::numeric_limits<double>::denorm_min())
+        : dtype == at::kFloat ? std::make_pair(double{std::numeric_limits<float>::max()},
+                                               double{std::numeric_limits<float>::denorm_min()})
         : dtype == at::kHalf
             ? std::make_pair(static_cast<double>(std::numeric_limits<c10::Half>::max()),
                              static_cast<double>(std::numeric_limits<c10::Half>::denorm_min()))
@@ -665,10 +675,9 @@ TEST(WaveletAdamKernels, AllFiniteFindsEveryNonFiniteValueInEveryDtype) {
       if (n > 2) x[1] = -0.0, x[2] = extremes.second;
       ASSERT_TRUE(at::isfinite(x).all().item<bool>());
       EXPECT_TRUE(gwt::kernels::all_finite_cpu(x.data_ptr(), n, kind)) << dtype << " n " << n;
-      for (const double bad : {std::numeric_limits<double>::quiet_NaN(),
-                               -std::numeric_limits<double>::quiet_NaN(),
-                               std::numeric_limits<double>::infinity(),
-                               -std::numeric_limits<double>::infinity()})
+      for (const double bad :
+           {std::numeric_limits<double>::quiet_NaN(), -std::numeric_limits<double>::quiet_NaN(),
+            std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()})
         for (const int64_t pos :
              {int64_t{0}, n - 1, int64_t{65535}, int64_t{65536}, int64_t{150001}}) {
           if (pos >= n) continue;

@@ -463,7 +463,8 @@ TEST(GaLoreAdam, LoadRejectsCorruptStateWithNothingChanged) {
 std::string digestless_checkpoint(const std::vector<at::Tensor>& params,
                                   const GaLoreAdamOptions& options,
                                   const std::vector<const GaLoreAdamParamState*>& states,
-                                  int64_t skipped_steps, int64_t svd_fallbacks) {
+                                  int64_t skipped_steps, int64_t svd_fallbacks,
+                                  const std::string& drop = "") {
   torch::serialize::OutputArchive archive;
   archive.write("format", c10::IValue(std::string("gwt.GaLoreAdam.v1")));
   archive.write("num_groups", c10::IValue(int64_t{1}));
@@ -477,7 +478,20 @@ std::string digestless_checkpoint(const std::vector<at::Tensor>& params,
   for (size_t j = 0; j < params.size(); ++j) {
     group.write("param_" + std::to_string(j) + "_shape", c10::IValue(params[j].sizes().vec()));
     torch::serialize::OutputArchive state(archive.compilation_unit());
-    states[j]->serialize(state);
+    if (j == 0 && !drop.empty()) {  // the state key by key, as serialize writes it, less `drop`
+      const GaLoreAdamParamState& s = *states[0];
+      auto put = [&](const std::string& key, const c10::IValue& value) {
+        if (key != drop) state.write(key, value);
+      };
+      put("step", s.step());
+      put("exp_avg", s.exp_avg());
+      put("exp_avg_sq", s.exp_avg_sq());
+      put("has_projector", s.projector().defined());
+      if (s.projector().defined()) put("projector", s.projector());
+      put("right", s.right());
+    } else {
+      states[j]->serialize(state);
+    }
     group.write("param_" + std::to_string(j), state);
   }
   archive.write("group_0", group);
@@ -523,6 +537,52 @@ TEST(GaLoreAdam, CheckpointWithoutDigestsLoadsAndNegativeCountersAreRejected) {
   }
   EXPECT_TRUE(at::equal(source.w, target.w));
   EXPECT_TRUE(at::equal(source.b, target.b));
+}
+
+// A checkpoint whose parameter state lacks one of its tensors names it, and changes nothing.
+TEST(GaLoreAdam, CheckpointStateWithoutATensorIsAClearErrorWithNothingChanged) {
+  Trained source(23, 0.01, 3);
+  const std::vector<const GaLoreAdamParamState*> states = {&state_of(*source.opt, source.w),
+                                                           &state_of(*source.opt, source.b)};
+  ASSERT_TRUE(states[0]->projector().defined());
+  for (const std::string key : {"exp_avg", "exp_avg_sq", "projector"}) {
+    SCOPED_TRACE(key);
+    Trained target(24, 0.3, 1);
+    const auto before = target.snap();
+    expect_error(
+        [&] {
+          load(*target.opt, digestless_checkpoint({source.w, source.b},
+                                                  source.opt->group_options(0), states, 0, 0, key));
+        },
+        {"has no " + key});
+    expect_same(target.snap(), before);
+    EXPECT_EQ(target.opt->group_options(0).lr(), 0.3);
+  }
+}
+
+// step(closure) runs the closure with gradients enabled and returns its loss; state_bytes() is the
+// sum over the parameters; asking whether a tensor that is not a parameter is projected is an
+// error naming the call.
+TEST(GaLoreAdam, ClosureTotalAndATensorThatIsNotAParameter) {
+  Trained t(25, 0.01, 0);
+  bool grad_mode = false;
+  const at::Tensor loss = t.opt->step([&] {
+    grad_mode = at::GradMode::is_enabled();
+    t.w.mutable_grad() = at::randn({10, 6}, at::kDouble);
+    t.b.mutable_grad() = at::randn({6}, at::kDouble);
+    return at::scalar_tensor(2.5, at::kDouble);
+  });
+  EXPECT_TRUE(grad_mode);
+  EXPECT_EQ(loss.item<double>(), 2.5);
+  EXPECT_EQ(state_of(*t.opt, t.w).step(), 1);
+  EXPECT_GT(t.opt->state_bytes(t.w), 0);
+  EXPECT_GT(t.opt->state_bytes(t.b), 0);
+  EXPECT_EQ(t.opt->state_bytes(), t.opt->state_bytes(t.w) + t.opt->state_bytes(t.b));
+  expect_error(
+      [&] {
+        t.opt->is_projected_param(at::zeros({10, 6}, at::kDouble));
+      },
+      {"is_projected_param", "not a parameter of this optimizer"});
 }
 
 TEST(GaLoreAdam, LoadDetectsParametersReorderedSinceTheSave) {

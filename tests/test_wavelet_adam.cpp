@@ -325,6 +325,26 @@ TEST(WaveletAdam, DenseLoopIsTheRuleOperationByOperation) {
   }
 }
 
+// is_fused_param and is_wavelet_param of a tensor that is not one of the optimizer's parameters
+// (here: one of the same shape) are errors that name the call.
+TEST(WaveletAdam, AskingAboutATensorThatIsNotAParameterIsAnError) {
+  at::Tensor p = make_param({8, 32});
+  WaveletAdam opt({p}, WaveletAdamOptions(0.01));
+  const at::Tensor other = at::zeros({8, 32}, at::kDouble);
+  for (const std::string call : {"is_fused_param", "is_wavelet_param"}) {
+    try {
+      call == "is_fused_param" ? opt.is_fused_param(other) : opt.is_wavelet_param(other);
+      ADD_FAILURE() << call << ": no error";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find(call + ": the tensor is not a parameter of this optimizer"),
+                std::string::npos)
+          << msg;
+    }
+  }
+  EXPECT_TRUE(opt.is_wavelet_param(p));
+}
+
 // nonfinite: "skip_step" leaves every parameter and its state bit-unchanged when one gradient is
 // not finite; "skip_param" leaves only that parameter so, and steps the others exactly as an
 // optimizer over them alone would (the same kernels on the same data: compared bit for bit).

@@ -316,17 +316,21 @@ c10::intrusive_ptr<c10d::Backend> init_from_env(const std::string& backend,
   // the host name resolves to (GWT_GLOO_HOSTNAME overrides both).
   const bool local = host == "127.0.0.1" || host == "localhost" || host == "::1";
   const std::string bind = env("GWT_GLOO_HOSTNAME").value_or(local ? "127.0.0.1" : "");
+  // The group is returned after the try block: a return inside it leaves GCC at -O0 (coverage,
+  // Debug builds) unsure that the catch block, whose TORCH_CHECK(false) always throws, returns.
+  c10::intrusive_ptr<c10d::Backend> group;
   try {
     options->devices.push_back(bind.empty()
                                    ? c10d::ProcessGroupGloo::createDefaultDevice()
                                    : c10d::ProcessGroupGloo::createDeviceForHostname(bind));
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank),
-                                                       static_cast<int>(world), options);
+    group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank),
+                                                        static_cast<int>(world), options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, who, ": rank ", rank, " of ", world,
                 " could not join the Gloo group within ", timeout.count() / 1000.0,
                 " s: ", e.what());
   }
+  return group;
 }
 
 // ------------------------------------------------------------------------------------------------
