@@ -653,6 +653,35 @@ TEST(WaveletAdam, SaveLoadContinuesBitIdentically) {
     EXPECT_TRUE(at::equal(resumed[i], params[i])) << "param " << i;
 }
 
+// A checkpoint saved before a parameter's first step (it had no gradient yet) loads: that parameter
+// stays without state and the others get theirs, and training then goes on bit-identically to an
+// optimizer that was never saved. A parameter with no elements is saved and loaded too (its
+// digest covers only its shape).
+TEST(WaveletAdam, SaveLoadBeforeAParametersFirstStep) {
+  at::manual_seed(31);
+  const std::vector<at::Tensor> params = {make_param({8, 40}), make_param({6, 16}),
+                                          make_param({0, 16})};
+  const std::vector<at::Tensor> copy = clone_params(params);
+  WaveletAdam uninterrupted(params, WaveletAdamOptions(0.01));
+  WaveletAdam first(copy, WaveletAdamOptions(0.01));
+  train(uninterrupted, {params[0]}, 2, 300);
+  train(first, {copy[0]}, 2, 300);
+  ASSERT_EQ(first.state_bytes(copy[1]), 0);
+  const std::string path = temp_file("before_first_step");
+  torch::save(first, path);
+  const std::vector<at::Tensor> resumed = clone_params(copy);
+  WaveletAdam second(resumed, WaveletAdamOptions(0.5));
+  torch::load(second, path);
+  std::remove(path.c_str());
+  EXPECT_TRUE(state_of(second, resumed[0]) == state_of(first, copy[0]));
+  EXPECT_EQ(second.state_bytes(resumed[1]), 0);
+  EXPECT_EQ(second.state_bytes(resumed[2]), 0);
+  train(uninterrupted, {params[0], params[1]}, 3, 400);
+  train(second, {resumed[0], resumed[1]}, 3, 400);
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(at::equal(resumed[i], params[i])) << "param " << i;
+}
+
 TEST(WaveletAdam, LoadRejectsParametersReorderedSinceTheSave) {
   // Two weights of one shape and dtype: shapes and positions alone cannot tell them apart; the
   // checkpoint's digest of each parameter's bytes does, when the model's weights are loaded first.
