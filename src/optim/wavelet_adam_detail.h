@@ -7,9 +7,11 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gwt/optim/wavelet_adam.h"
+#include "gwt/wavelet.h"
 
 namespace gwt {
 namespace wavelet_adam_detail {
@@ -27,6 +29,11 @@ struct Plan {
   int64_t dim = 0;                   // normalised transform dimension (wavelet only)
   std::vector<int64_t> state_shape;  // shape of exp_avg / exp_avg_sq
 };
+
+/// The wavelet of that name, built once (plan_for runs for each parameter at every step, and a
+/// Wavelet built by name copies its filters into four vectors). An unknown name throws Wavelet's
+/// own error.
+const Wavelet& wavelet_named(const std::string& name);
 
 /// What a parameter's step does under `o` (throws if dim is out of range for it).
 Plan plan_for(const at::Tensor& param, const WaveletAdamOptions& o);
