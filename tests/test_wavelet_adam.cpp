@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -680,6 +681,82 @@ TEST(WaveletAdam, SaveLoadBeforeAParametersFirstStep) {
   train(second, {resumed[0], resumed[1]}, 3, 400);
   for (size_t i = 0; i < params.size(); ++i)
     EXPECT_TRUE(at::equal(resumed[i], params[i])) << "param " << i;
+}
+
+// Options saved before `nonfinite` existed (every key but that one) load with the behaviour those
+// checkpoints had, "skip_step", and every other option as saved.
+TEST(WaveletAdam, OptionsSavedBeforeNonfiniteExistedLoadAsSkipStep) {
+  const auto saved = WaveletAdamOptions(0.02)
+                         .betas({0.8, 0.99})
+                         .eps(1e-7)
+                         .weight_decay(0.1)
+                         .wavelet("db2")
+                         .level(3)
+                         .boundary("periodization")
+                         .scale(0.5)
+                         .norm_growth_limit(1.05)
+                         .correct_bias(false)
+                         .dim(0)
+                         .fused(false)
+                         .state_dtype("bfloat16")
+                         .threshold(0.25)
+                         .threshold_mode("hard")
+                         .min_size(16);
+  torch::serialize::OutputArchive out;
+  out.write("lr", c10::IValue(saved.lr()));
+  out.write("beta1", c10::IValue(std::get<0>(saved.betas())));
+  out.write("beta2", c10::IValue(std::get<1>(saved.betas())));
+  out.write("eps", c10::IValue(saved.eps()));
+  out.write("weight_decay", c10::IValue(saved.weight_decay()));
+  out.write("wavelet", c10::IValue(saved.wavelet()));
+  out.write("level", c10::IValue(saved.level()));
+  out.write("boundary", c10::IValue(saved.boundary()));
+  out.write("scale", c10::IValue(saved.scale()));
+  out.write("norm_growth_limit", c10::IValue(saved.norm_growth_limit()));
+  out.write("correct_bias", c10::IValue(saved.correct_bias()));
+  out.write("dim", c10::IValue(saved.dim()));
+  out.write("fused", c10::IValue(saved.fused()));
+  out.write("state_dtype", c10::IValue(saved.state_dtype()));
+  out.write("transform", c10::IValue(saved.transform()));
+  out.write("threshold", c10::IValue(saved.threshold()));
+  out.write("threshold_mode", c10::IValue(saved.threshold_mode()));
+  out.write("min_size", c10::IValue(saved.min_size()));
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  std::istringstream stream(bytes.str());
+  in.load_from(stream);
+  WaveletAdamOptions loaded = WaveletAdamOptions(1.0).nonfinite("skip_param");
+  loaded.serialize(in);
+  EXPECT_EQ(loaded.nonfinite(), "skip_step");
+  EXPECT_EQ(loaded, WaveletAdamOptions(saved).nonfinite("skip_step"));
+  EXPECT_FALSE(loaded == WaveletAdamOptions(saved).nonfinite("skip_param"));  // == sees nonfinite
+}
+
+// A saved parameter state without one of its tensors is an error that names the tensor.
+TEST(WaveletAdam, SavedStateWithoutATensorNamesIt) {
+  for (const std::string drop : {"exp_avg", "exp_avg_sq", "norm"}) {
+    SCOPED_TRACE(drop);
+    torch::serialize::OutputArchive out;
+    out.write("step", c10::IValue(int64_t{3}));
+    if (drop != "exp_avg") out.write("exp_avg", at::zeros({2}));
+    if (drop != "exp_avg_sq") out.write("exp_avg_sq", at::zeros({2}));
+    out.write("has_norm", c10::IValue(true));
+    if (drop != "norm") out.write("norm", at::ones({}));
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    std::istringstream stream(bytes.str());
+    in.load_from(stream);
+    WaveletAdamParamState state;
+    try {
+      state.serialize(in);
+      ADD_FAILURE() << "no error";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("has no " + drop), std::string::npos) << msg;
+    }
+  }
 }
 
 TEST(WaveletAdam, LoadRejectsParametersReorderedSinceTheSave) {
