@@ -683,6 +683,14 @@ TEST(WaveletAdam, SaveLoadBeforeAParametersFirstStep) {
     EXPECT_TRUE(at::equal(resumed[i], params[i])) << "param " << i;
 }
 
+// `in` reads what `out` wrote, as a checkpoint file would give it back.
+void reopen(torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream stream(bytes.str());
+  in.load_from(stream);
+}
+
 // Options saved before `nonfinite` existed (every key but that one) load with the behaviour those
 // checkpoints had, "skip_step", and every other option as saved.
 TEST(WaveletAdam, OptionsSavedBeforeNonfiniteExistedLoadAsSkipStep) {
@@ -721,11 +729,8 @@ TEST(WaveletAdam, OptionsSavedBeforeNonfiniteExistedLoadAsSkipStep) {
   out.write("threshold", c10::IValue(saved.threshold()));
   out.write("threshold_mode", c10::IValue(saved.threshold_mode()));
   out.write("min_size", c10::IValue(saved.min_size()));
-  std::ostringstream bytes;
-  out.save_to(bytes);
   torch::serialize::InputArchive in;
-  std::istringstream stream(bytes.str());
-  in.load_from(stream);
+  reopen(out, in);
   WaveletAdamOptions loaded = WaveletAdamOptions(1.0).nonfinite("skip_param");
   loaded.serialize(in);
   EXPECT_EQ(loaded.nonfinite(), "skip_step");
@@ -743,11 +748,8 @@ TEST(WaveletAdam, SavedStateWithoutATensorNamesIt) {
     if (drop != "exp_avg_sq") out.write("exp_avg_sq", at::zeros({2}));
     out.write("has_norm", c10::IValue(true));
     if (drop != "norm") out.write("norm", at::ones({}));
-    std::ostringstream bytes;
-    out.save_to(bytes);
     torch::serialize::InputArchive in;
-    std::istringstream stream(bytes.str());
-    in.load_from(stream);
+    reopen(out, in);
     WaveletAdamParamState state;
     try {
       state.serialize(in);

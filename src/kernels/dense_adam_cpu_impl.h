@@ -28,7 +28,7 @@ namespace kernels {
 namespace GWT_KERNEL_NS {
 namespace dense {
 
-constexpr int64_t k_grain = 32768;  // values per thread chunk, at least
+constexpr int64_t k_grain = 32768;  // values per thread chunk (fewer: on the calling thread alone)
 
 template <typename T>
 struct Consts {
@@ -134,7 +134,6 @@ void update(const DenseAdamArgs& a) {
   const T* g = static_cast<const T*>(a.grad);
   T* m = static_cast<T*>(a.exp_avg);
   T* v = static_cast<T*>(a.exp_avg_sq);
-  if (a.n <= k_grain) return update_range(p, g, m, v, 0, a.n, c);  // no parallel region
   at::parallel_for(0, a.n, k_grain,
                    [&](int64_t begin, int64_t end) { update_range(p, g, m, v, begin, end, c); });
 }

@@ -124,6 +124,7 @@ using wavelet_adam_detail::options_of;
 using wavelet_adam_detail::Plan;
 using wavelet_adam_detail::plan_for;
 using wavelet_adam_detail::state_dtype;
+using wavelet_adam_detail::wavelet_named;
 
 void check_param(const at::Tensor& param) {
   optim_detail::check_param("gwt::WaveletAdam", param);
@@ -218,7 +219,7 @@ void reference_update(const Work& work, WaveletAdamParamState& state, double ste
     const at::Tensor denom = exp_avg_sq.sqrt().add_(o.eps());
     param.addcdiv_(exp_avg, denom, -step_size);
   } else {
-    const Wavelet wavelet(o.wavelet());
+    const Wavelet& wavelet = wavelet_named(o.wavelet());
     const BoundaryMode mode = boundary_mode_from_string(o.boundary());
     // The transform dimension(s) last; the moments are updated through views of the state.
     const int64_t dim = work.plan.dim;
@@ -325,7 +326,7 @@ Path path_for(const at::Tensor& param, const WaveletAdamOptions& o, const Plan& 
     if (haar_local && o.level() <= 3) return Path::haar;
     // The general CUDA kernel keeps a row's scratch in shared memory (of the parameter's device).
     const c10::DeviceGuard device(param.device());
-    const Wavelet wavelet(o.wavelet());
+    const Wavelet& wavelet = wavelet_named(o.wavelet());
     const int64_t bytes = kernels::wavelet_row_scratch_bytes(
         param.size(-1), wavelet.length(), o.level(), boundary_mode_from_string(o.boundary()),
         compute_dtype(param) == at::kDouble);
@@ -398,7 +399,7 @@ void fused_norm_pass(Work& work) {
                   .contiguous();
   const auto acc = work.param.options().dtype(compute_dtype(work.param));
   if (work.path == Path::general) {
-    work.wavelet = &wavelet_adam_detail::wavelet_named(work.options->wavelet());
+    work.wavelet = &wavelet_named(work.options->wavelet());
     if (work.param.is_cuda()) {
       work.norm_sq = at::zeros({}, acc);
       kernels::wavelet_adam_norm_sq_cuda(general_args(work, 0.0), work.norm_sq.data_ptr());
