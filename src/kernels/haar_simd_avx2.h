@@ -109,15 +109,18 @@ struct StepConstants {
         scale(_mm256_set1_ps(approx_scale)) {}
 };
 
-/// New moments and denominators of 8 coefficients with approximations a.
+/// New moments of 8 coefficients with approximations a, and their denominators.
 struct Moments8 {
-  __m256 m, v, denom;
+  __m256 m, v;
   template <typename S>
   Moments8(const StepConstants& c, const S* m_old, const S* v_old, __m256 a) {
     m = _mm256_fmadd_ps(c.b1, load8(m_old), _mm256_mul_ps(c.c1, a));
     v = _mm256_fmadd_ps(c.b2, load8(v_old), _mm256_mul_ps(c.c2, _mm256_mul_ps(a, a)));
-    denom = _mm256_add_ps(_mm256_sqrt_ps(v), c.eps);
   }
+  static __m256 denom(const StepConstants& c, __m256 v) {
+    return _mm256_add_ps(_mm256_sqrt_ps(v), c.eps);
+  }
+  __m256 denom(const StepConstants& c) const { return denom(c, v); }
 };
 
 /// Software prefetch of the 64-byte line k_ahead floats' bytes past x (into L1). A core
@@ -165,7 +168,7 @@ inline float norm_sq(const StepConstants& c, const G* g, const S* m, const S* v,
     for (int e = 0; e < 8 * B; e += k_per_line<G>) prefetch_line(g + j * B + e);
     const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
     const Moments8 mv(c, m + j, v + j, a);
-    const __m256 normalized = _mm256_div_ps(mv.m, mv.denom);
+    const __m256 normalized = _mm256_div_ps(mv.m, mv.denom(c));
     acc = _mm256_fmadd_ps(normalized, normalized, acc);
   }
   return lane_sum(acc);
@@ -179,10 +182,11 @@ inline void update(const StepConstants& c, const G* g, P* p, S* m, S* v, int64_t
                    float lim, float keep) {
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
-  // In chunks of k_chunk coefficients: first their moments, factors and shifts, then their
-  // elements. Done coefficient group by coefficient group, each group's elements waited on a
-  // chain of about 20 dependent operations (block sums, moments, square root, division); in L1
-  // the pass took 0.42 ns per value against 0.33 so (AMD EPYC, one thread, [64, 512], L=2).
+  // In chunks of k_chunk coefficients: first their moments and shifts, then their factors (the
+  // square roots and divisions in a loop of their own), then their elements. Done coefficient
+  // group by coefficient group, each group's elements waited on a chain of about 20 dependent
+  // operations (block sums, moments, square root, division); in L1 the pass took 0.42 ns per
+  // value against 0.32 so (AMD EPYC, one thread, [64, 512], L=2; the loop of its own gave 3-5%).
   constexpr int64_t k_chunk = 64;
   alignas(32) float factor[k_chunk], shift[k_chunk];
   for (int64_t j0 = 0; j0 < count; j0 += k_chunk) {
@@ -193,10 +197,14 @@ inline void update(const StepConstants& c, const G* g, P* p, S* m, S* v, int64_t
       const Moments8 mv(c, m + j, v + j, a);
       store8(m + j, mv.m);
       store8(v + j, mv.v);
-      _mm256_store_ps(factor + (j - j0),
-                      Spread<B>::lane_order(_mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v))));
+      _mm256_store_ps(factor + (j - j0), mv.v);  // v', as a float: its denominator next
       _mm256_store_ps(shift + (j - j0),
                       Spread<B>::lane_order(_mm256_mul_ps(_mm256_sub_ps(mv.m, a), c.scale)));
+    }
+    for (int64_t j = j0; j < j1; j += 8) {
+      const __m256 denom = Moments8::denom(c, _mm256_load_ps(factor + (j - j0)));
+      _mm256_store_ps(factor + (j - j0),
+                      Spread<B>::lane_order(_mm256_div_ps(step_v, _mm256_mul_ps(denom, lim_v))));
     }
     for (int64_t j = j0; j < j1; j += 8) {
       for (int e = 0; e < 8 * B; e += k_per_line<P>) prefetch_line(p + j * B + e);
@@ -236,7 +244,7 @@ inline float norm_sq_by_rows(const StepConstants& c, const G* g, int64_t stride,
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; j += 8) {
     const Moments8 mv(c, m + j, v + j, _mm256_loadu_ps(a + j));
-    const __m256 normalized = _mm256_div_ps(mv.m, mv.denom);
+    const __m256 normalized = _mm256_div_ps(mv.m, mv.denom(c));
     acc = _mm256_fmadd_ps(normalized, normalized, acc);
   }
   return lane_sum(acc);
@@ -268,8 +276,8 @@ inline void update_by_rows(const StepConstants& c, const G* g, P* p, int64_t str
     store8(m + j, mv.m);
     store8(v + j, mv.v);
     // Both in Spread's lane order; a now holds the shifts.
-    _mm256_storeu_ps(factor + j,
-                     Spread<B>::lane_order(_mm256_div_ps(step_v, _mm256_mul_ps(mv.denom, lim_v))));
+    _mm256_storeu_ps(factor + j, Spread<B>::lane_order(
+                                     _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom(c), lim_v))));
     _mm256_storeu_ps(a + j, Spread<B>::lane_order(_mm256_mul_ps(_mm256_sub_ps(mv.m, aj), c.scale)));
   }
   // A cursor over the next tile's gradient, a line at a time, row after row. Each group of 8
