@@ -11,6 +11,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -57,8 +58,7 @@ class HaarAdam {
       : a_(args),
         block_(B > 0 ? B : int64_t{1} << args.level),
         // The orthonormal Haar approximation: 2^(-1/2) per level along each transformed axis.
-        approx_scale_(static_cast<Acc>(
-            std::pow(2.0, (args.two_d ? -1.0 : -0.5) * static_cast<double>(args.level)))),
+        approx_scale_(static_cast<Acc>(approx_scale_of(args.two_d, args.level))),
         block_rows_(args.two_d ? (args.height + block_ - 1) / block_ : 1),
         state_rows_(args.two_d ? args.rows / args.height * block_rows_ : args.rows),
         tile_len_(tile_length(args, block_)),
@@ -69,6 +69,20 @@ class HaarAdam {
             1, k_parallel_grain /
                    std::max<int64_t>(1, args.rows * args.n /
                                             std::max<int64_t>(1, state_rows_ * tiles_per_row_)))) {}
+
+  // std::pow(2, -level / 2) (1-D) or std::pow(2, -level) (2-D). A tensor's step builds this class
+  // twice (norm and update pass), so the powers of levels 0..63 are computed once.
+  static double approx_scale_of(bool two_d, int64_t level) {
+    auto of = [](bool d, int64_t l) {
+      return std::pow(2.0, (d ? -1.0 : -0.5) * static_cast<double>(l));
+    };
+    static const auto table = [&of] {
+      std::array<double, 128> t{};
+      for (int64_t i = 0; i < 128; ++i) t[i] = of(i >= 64, i % 64);
+      return t;
+    }();
+    return level >= 0 && level < 64 ? table[(two_d ? 64 : 0) + level] : of(two_d, level);
+  }
 
   // Norm pass over all tiles: fixed tiles, summed in order.
   double norm_sq() const {
