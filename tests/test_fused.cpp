@@ -378,6 +378,76 @@ bool avx2_bodies_run() {
 #endif
 }
 
+// HaarAdamArgs::carry: the norm pass leaves each coefficient's approximation and denominator, and
+// the update pass takes them instead of computing them again. Both are the same computation, so
+// the step must be the same bits with and without it: float32, bfloat16 and float16 parameters
+// (bfloat16 state for one), levels 1 to 3, 1-D and 2-D, shapes whose tiles end in the plain
+// loops' tail. Where the AVX2 bodies run, a carry changed between the passes must change the
+// step, or the update would not be reading it and the comparison would prove nothing.
+TEST(Fused, CarriedApproximationsGiveTheSameBits) {
+  namespace k = gwt::kernels;
+  struct Case {
+    at::ScalarType param, state;
+  };
+  auto kind_of = [](at::ScalarType t) {
+    return t == at::kFloat  ? k::ScalarKind::f32
+           : t == at::kHalf ? k::ScalarKind::f16
+                            : k::ScalarKind::bf16;
+  };
+  int changed = 0, cases = 0;
+  for (const Case c : {Case{at::kFloat, at::kFloat}, Case{at::kBFloat16, at::kFloat},
+                       Case{at::kHalf, at::kFloat}, Case{at::kFloat, at::kBFloat16}})
+    for (const int64_t level : {1, 2, 3})
+      for (const bool two_d : {false, true})
+        for (const std::vector<int64_t>& shape :
+             {std::vector<int64_t>{16, 512}, {13, 1000}, {3, 4100}}) {
+          const int64_t block = int64_t{1} << level, rows = shape[0], n = shape[1];
+          const int64_t approx_len = (n + block - 1) / block;
+          const int64_t state_rows = two_d ? (rows + block - 1) / block : rows;
+          const at::Tensor g = at::randn(shape).to(c.param);
+          // Three runs: no carry, a carry, a carry changed between the passes.
+          std::vector<at::Tensor> p, m, v;
+          std::vector<std::vector<float>> carry(3);
+          std::vector<k::HaarAdamArgs> args(3);
+          const at::Tensor p0 = at::randn(shape).to(c.param);
+          const at::Tensor m0 = (at::randn({state_rows, approx_len}) * 0.1).to(c.state);
+          const at::Tensor v0 = at::rand({state_rows, approx_len}).to(c.state);
+          for (size_t r = 0; r < 3; ++r) {
+            p.push_back(p0.clone()), m.push_back(m0.clone()), v.push_back(v0.clone());
+            k::HaarAdamArgs& a = args[r];
+            a.param = p[r].data_ptr(), a.grad = g.data_ptr();
+            a.exp_avg = m[r].data_ptr(), a.exp_avg_sq = v[r].data_ptr();
+            a.param_kind = kind_of(c.param), a.state_kind = kind_of(c.state);
+            a.rows = rows, a.n = n, a.approx_len = approx_len, a.level = level;
+            a.step_size = 1e-3, a.decay = 1e-4, a.two_d = two_d, a.height = two_d ? rows : 1;
+            if (r > 0) {
+              carry[r].assign(static_cast<size_t>(2 * state_rows * approx_len), 0.0f);
+              a.carry = carry[r].data();
+            }
+          }
+          const std::string what = c10::str(c.param, " params, ", c.state, " state, level ", level,
+                                            two_d ? " 2-D " : " 1-D ", at::IntArrayRef(shape));
+          for (int step = 0; step < 3; ++step) {
+            double norms[3];
+            for (size_t r = 0; r < 3; ++r) norms[r] = k::haar_adam_norm_sq_cpu(args[r]);
+            EXPECT_EQ(norms[0], norms[1]) << what;
+            for (float& x : carry[2]) x *= 1.5f;
+            for (size_t r = 0; r < 3; ++r) k::haar_adam_update_cpu(args[r], 1.25);
+          }
+          EXPECT_TRUE(at::equal(p[0], p[1])) << what;
+          EXPECT_TRUE(at::equal(m[0], m[1])) << what;
+          EXPECT_TRUE(at::equal(v[0], v[1])) << what;
+          changed += !at::equal(p[0], p[2]);
+          ++cases;
+        }
+  // Every case has whole vector groups of coefficients, so the AVX2 bodies use the carry in all.
+  if (avx2_bodies_run()) {
+    EXPECT_EQ(changed, cases);
+  } else {
+    EXPECT_EQ(changed, 0);
+  }
+}
+
 // The eight-lane body reads bfloat16 parameters, gradients and moments by widening them exactly and
 // stores them by rounding the float it computed: its float operations are those of a float32 step
 // on the same values, instruction for instruction. So one step from bfloat16 values (moments zero)

@@ -414,6 +414,36 @@ TEST(WaveletAdam, NonFiniteSkipsTheStepOrOnlyTheParameter) {
   }
 }
 
+// With finite gradients "skip_param" steps exactly as "skip_step": it only orders the passes
+// differently, and its Haar CPU tensors take the norm pass's approximations and denominators from
+// a carry (HaarAdamArgs::carry) instead of computing them again, the same bits by construction.
+TEST(WaveletAdam, SkipParamStepsAsSkipStepWithFiniteGradients) {
+  for (const std::string transform : {"1d", "2d"}) {
+    SCOPED_TRACE(transform);
+    at::manual_seed(23);
+    const std::vector<std::vector<int64_t>> shapes = {{64, 96}, {8, 32}, {13, 100}, {7}};
+    std::vector<at::Tensor> a, b;
+    for (const auto& shape : shapes) {
+      a.push_back(make_param(shape, at::kFloat));
+      b.push_back(a.back().detach().clone().requires_grad_(true));
+    }
+    const auto o = WaveletAdamOptions(0.01).weight_decay(0.1).level(2).transform(transform);
+    WaveletAdam step_wise(a, WaveletAdamOptions(o).nonfinite("skip_step"));
+    WaveletAdam param_wise(b, WaveletAdamOptions(o).nonfinite("skip_param"));
+    for (int t = 0; t < 4; ++t) {
+      for (size_t i = 0; i < a.size(); ++i) {
+        const at::Tensor g = at::randn(a[i].sizes());
+        set_grad(a[i], g), set_grad(b[i], g);
+      }
+      step_wise.step(), param_wise.step();
+    }
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::equal(a[i].detach(), b[i].detach())) << "parameter " << i;
+      EXPECT_TRUE(state_of(step_wise, a[i]) == state_of(param_wise, b[i])) << "state " << i;
+    }
+  }
+}
+
 // A first step skipped under "skip_param": the fresh state kept (step 0, zero moments) counts it
 // and the next step is an ordinary first step.
 TEST(WaveletAdam, SkipParamOnAFirstStepKeepsAZeroState) {

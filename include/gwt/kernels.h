@@ -55,6 +55,13 @@ struct HaarAdamArgs {
   /// float32, never rounded to the parameter's type. Read by the CPU bodies only: the CUDA bodies
   /// read the gradient as param_kind, and the caller gives them no such gradient.
   bool grad_f32 = false;
+  /// CPU Haar bodies, optional: room for twice as many floats as the moments have values. The norm
+  /// pass leaves there, for each approximation coefficient its float32 vector body computes, the
+  /// approximation A and the denominator sqrt(v') + eps; an update pass given the same carry takes
+  /// them from there instead of summing the gradient's blocks and taking the square roots again
+  /// (the same bits either way). Only for an update that follows a norm pass with the same
+  /// arguments, nothing written in between; nullptr: none. The general kernel ignores it.
+  float* carry = nullptr;
 };
 
 /// CPU norm pass; at::parallel_for over fixed tiles, so the sum does not depend on the number of

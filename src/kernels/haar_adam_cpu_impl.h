@@ -157,6 +157,16 @@ class HaarAdam {
   }
 
 #ifdef GWT_HAAR_SIMD
+  // The tile's part of HaarAdamArgs::carry (coefficients from the tile's first), or none.
+  simd::Carry carry_of(const Tile& tl) const {
+    simd::Carry c;
+    if (a_.carry == nullptr) return c;
+    const int64_t at = tl.row * a_.approx_len + tl.first;
+    c.approx = a_.carry + at;
+    c.denom = a_.carry + state_rows_ * a_.approx_len + at;
+    return c;
+  }
+
   simd::StepConstants simd_constants() const {
     return simd::StepConstants(static_cast<float>(a_.beta1), static_cast<float>(1 - a_.beta1),
                                static_cast<float>(a_.beta2), static_cast<float>(1 - a_.beta2),
@@ -177,9 +187,9 @@ class HaarAdam {
     if constexpr (k_simd) {
       if (from > 0) {
         const G* g = static_cast<const G*>(a_.grad) + tl.element_row * a_.n + tl.first * B;
-        sum = tl.height == 1 ? simd::norm_sq<B>(simd_constants(), g, m, v, from)
+        sum = tl.height == 1 ? simd::norm_sq<B>(simd_constants(), g, m, v, from, carry_of(tl))
                              : simd::norm_sq_by_rows<B>(simd_constants(), g, a_.n, tl.height, m, v,
-                                                        from, approx);
+                                                        from, approx, carry_of(tl));
       }
     }
 #endif
@@ -208,7 +218,7 @@ class HaarAdam {
 #ifdef GWT_HAAR_SIMD
     if constexpr (k_simd) {
       if (from > 0 && tl.height == 1) {
-        simd::update<B>(simd_constants(), g, p, m, v, from, step, lim, keep);
+        simd::update<B>(simd_constants(), g, p, m, v, from, step, lim, keep, carry_of(tl));
       } else if (from > 0) {
         Acc factor[k_tile_max];
         simd::NextRows<G> next_rows;
@@ -219,7 +229,7 @@ class HaarAdam {
           next_rows.elements = std::min(nt.count * block_, a_.n - nt.first * block_);
         }
         simd::update_by_rows<B>(simd_constants(), g, p, a_.n, tl.height, m, v, from, step, lim,
-                                keep, approx, factor, next_rows);
+                                keep, approx, factor, next_rows, carry_of(tl));
       }
     }
 #endif

@@ -123,6 +123,14 @@ struct Moments8 {
   __m256 denom(const StepConstants& c) const { return denom(c, v); }
 };
 
+/// Where a norm pass leaves each coefficient's approximation and denominator for the update pass
+/// that follows (HaarAdamArgs::carry), the tile's coefficients from index 0; approx == nullptr:
+/// none. The update then takes them from there, with the same bits as computing them again.
+struct Carry {
+  float* approx = nullptr;
+  float* denom = nullptr;
+};
+
 /// Software prefetch of the 64-byte line k_ahead floats' bytes past x (into L1). A core
 /// of the machines measured keeps too few DRAM misses in flight for the hardware prefetchers
 /// alone to stream at the memory's speed (on one thread the Haar step moved 22 bytes per parameter
@@ -162,13 +170,19 @@ inline void update_elements8(const G* g, P* p, const Spread<B>& factor, const Sp
 
 /// Norm pass over `count` (a multiple of 8) coefficients of one row: sum of (m' / denom)^2.
 template <int B, typename G, typename S>
-inline float norm_sq(const StepConstants& c, const G* g, const S* m, const S* v, int64_t count) {
+inline float norm_sq(const StepConstants& c, const G* g, const S* m, const S* v, int64_t count,
+                     Carry carry) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; j += 8) {
     for (int e = 0; e < 8 * B; e += k_per_line<G>) prefetch_line(g + j * B + e);
     const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
     const Moments8 mv(c, m + j, v + j, a);
-    const __m256 normalized = _mm256_div_ps(mv.m, mv.denom(c));
+    const __m256 denom = mv.denom(c);
+    if (carry.approx != nullptr) {
+      _mm256_storeu_ps(carry.approx + j, a);
+      _mm256_storeu_ps(carry.denom + j, denom);
+    }
+    const __m256 normalized = _mm256_div_ps(mv.m, denom);
     acc = _mm256_fmadd_ps(normalized, normalized, acc);
   }
   return lane_sum(acc);
@@ -179,7 +193,7 @@ inline float norm_sq(const StepConstants& c, const G* g, const S* m, const S* v,
 /// scale).
 template <int B, typename G, typename P, typename S>
 inline void update(const StepConstants& c, const G* g, P* p, S* m, S* v, int64_t count, float step,
-                   float lim, float keep) {
+                   float lim, float keep, Carry carried) {
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
   // In chunks of k_chunk coefficients: first their moments and shifts, then their factors (the
@@ -193,7 +207,9 @@ inline void update(const StepConstants& c, const G* g, P* p, S* m, S* v, int64_t
     const int64_t j1 = std::min(count, j0 + k_chunk);
     for (int64_t j = j0; j < j1; j += 8) {
       for (int e = 0; e < 8 * B; e += k_per_line<G>) prefetch_line(g + j * B + e);
-      const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
+      const __m256 a = carried.approx != nullptr
+                           ? _mm256_loadu_ps(carried.approx + j)
+                           : _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
       const Moments8 mv(c, m + j, v + j, a);
       store8(m + j, mv.m);
       store8(v + j, mv.v);
@@ -202,7 +218,9 @@ inline void update(const StepConstants& c, const G* g, P* p, S* m, S* v, int64_t
                       Spread<B>::lane_order(_mm256_mul_ps(_mm256_sub_ps(mv.m, a), c.scale)));
     }
     for (int64_t j = j0; j < j1; j += 8) {
-      const __m256 denom = Moments8::denom(c, _mm256_load_ps(factor + (j - j0)));
+      const __m256 denom = carried.approx != nullptr
+                               ? _mm256_loadu_ps(carried.denom + j)
+                               : Moments8::denom(c, _mm256_load_ps(factor + (j - j0)));
       _mm256_store_ps(factor + (j - j0),
                       Spread<B>::lane_order(_mm256_div_ps(step_v, _mm256_mul_ps(denom, lim_v))));
     }
@@ -239,12 +257,18 @@ inline void approx_by_rows(const StepConstants& c, const G* g, int64_t stride, i
 
 template <int B, typename G, typename S>
 inline float norm_sq_by_rows(const StepConstants& c, const G* g, int64_t stride, int64_t height,
-                             const S* m, const S* v, int64_t count, float* a) {
+                             const S* m, const S* v, int64_t count, float* a, Carry carry) {
   approx_by_rows<B>(c, g, stride, height, count, a);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; j += 8) {
-    const Moments8 mv(c, m + j, v + j, _mm256_loadu_ps(a + j));
-    const __m256 normalized = _mm256_div_ps(mv.m, mv.denom(c));
+    const __m256 aj = _mm256_loadu_ps(a + j);
+    const Moments8 mv(c, m + j, v + j, aj);
+    const __m256 denom = mv.denom(c);
+    if (carry.approx != nullptr) {
+      _mm256_storeu_ps(carry.approx + j, aj);
+      _mm256_storeu_ps(carry.denom + j, denom);
+    }
+    const __m256 normalized = _mm256_div_ps(mv.m, denom);
     acc = _mm256_fmadd_ps(normalized, normalized, acc);
   }
   return lane_sum(acc);
@@ -266,18 +290,21 @@ struct NextRows {
 template <int B, typename G, typename P, typename S>
 inline void update_by_rows(const StepConstants& c, const G* g, P* p, int64_t stride, int64_t height,
                            S* m, S* v, int64_t count, float step, float lim, float keep, float* a,
-                           float* factor, const NextRows<G>& next) {
-  approx_by_rows<B>(c, g, stride, height, count, a);
+                           float* factor, const NextRows<G>& next, Carry carried) {
+  // With the norm pass's approximations carried, the tile's rows are read once here, not twice.
+  const bool carry = carried.approx != nullptr;
+  if (!carry) approx_by_rows<B>(c, g, stride, height, count, a);
   const __m256 step_v = _mm256_set1_ps(step), lim_v = _mm256_set1_ps(lim);
   const __m256 keep_v = _mm256_set1_ps(keep);
   for (int64_t j = 0; j < count; j += 8) {
-    const __m256 aj = _mm256_loadu_ps(a + j);
+    const __m256 aj = _mm256_loadu_ps((carry ? carried.approx : a) + j);
     const Moments8 mv(c, m + j, v + j, aj);
     store8(m + j, mv.m);
     store8(v + j, mv.v);
+    const __m256 denom = carry ? _mm256_loadu_ps(carried.denom + j) : mv.denom(c);
     // Both in Spread's lane order; a now holds the shifts.
-    _mm256_storeu_ps(factor + j, Spread<B>::lane_order(
-                                     _mm256_div_ps(step_v, _mm256_mul_ps(mv.denom(c), lim_v))));
+    _mm256_storeu_ps(factor + j,
+                     Spread<B>::lane_order(_mm256_div_ps(step_v, _mm256_mul_ps(denom, lim_v))));
     _mm256_storeu_ps(a + j, Spread<B>::lane_order(_mm256_mul_ps(_mm256_sub_ps(mv.m, aj), c.scale)));
   }
   // A cursor over the next tile's gradient, a line at a time, row after row. Each group of 8

@@ -160,6 +160,9 @@ class WaveletAdam : public torch::optim::Optimizer {
 
  private:
   int64_t skipped_steps_ = 0;
+  // Scratch of the fused Haar CPU passes (kernels::HaarAdamArgs::carry), at most 4 MB, kept
+  // between steps; not optimizer state.
+  std::vector<float> carry_;
   // Gathers a checkpoint (save_full) whose skip count is the sharded run's.
   friend class distributed::ShardedWaveletAdam;
 };
