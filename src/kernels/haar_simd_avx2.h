@@ -168,6 +168,21 @@ inline void update_elements8(const G* g, P* p, const Spread<B>& factor, const Sp
   if constexpr (K + 1 < B) update_elements8<B, K + 1>(g, p, factor, shift, keep);
 }
 
+/// acc + (m' / denom)^2 of coefficients j..j+7 with approximations a; their approximations and
+/// denominators are left in carry (if any).
+template <typename S>
+inline __m256 add_norm_sq8(const StepConstants& c, const S* m, const S* v, int64_t j, __m256 a,
+                           Carry carry, __m256 acc) {
+  const Moments8 mv(c, m + j, v + j, a);
+  const __m256 denom = mv.denom(c);
+  if (carry.approx != nullptr) {
+    _mm256_storeu_ps(carry.approx + j, a);
+    _mm256_storeu_ps(carry.denom + j, denom);
+  }
+  const __m256 normalized = _mm256_div_ps(mv.m, denom);
+  return _mm256_fmadd_ps(normalized, normalized, acc);
+}
+
 /// Norm pass over `count` (a multiple of 8) coefficients of one row: sum of (m' / denom)^2.
 template <int B, typename G, typename S>
 inline float norm_sq(const StepConstants& c, const G* g, const S* m, const S* v, int64_t count,
@@ -176,14 +191,7 @@ inline float norm_sq(const StepConstants& c, const G* g, const S* m, const S* v,
   for (int64_t j = 0; j < count; j += 8) {
     for (int e = 0; e < 8 * B; e += k_per_line<G>) prefetch_line(g + j * B + e);
     const __m256 a = _mm256_mul_ps(block_sums8<B>(g + j * B), c.scale);
-    const Moments8 mv(c, m + j, v + j, a);
-    const __m256 denom = mv.denom(c);
-    if (carry.approx != nullptr) {
-      _mm256_storeu_ps(carry.approx + j, a);
-      _mm256_storeu_ps(carry.denom + j, denom);
-    }
-    const __m256 normalized = _mm256_div_ps(mv.m, denom);
-    acc = _mm256_fmadd_ps(normalized, normalized, acc);
+    acc = add_norm_sq8(c, m, v, j, a, carry, acc);
   }
   return lane_sum(acc);
 }
@@ -260,17 +268,8 @@ inline float norm_sq_by_rows(const StepConstants& c, const G* g, int64_t stride,
                              const S* m, const S* v, int64_t count, float* a, Carry carry) {
   approx_by_rows<B>(c, g, stride, height, count, a);
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t j = 0; j < count; j += 8) {
-    const __m256 aj = _mm256_loadu_ps(a + j);
-    const Moments8 mv(c, m + j, v + j, aj);
-    const __m256 denom = mv.denom(c);
-    if (carry.approx != nullptr) {
-      _mm256_storeu_ps(carry.approx + j, aj);
-      _mm256_storeu_ps(carry.denom + j, denom);
-    }
-    const __m256 normalized = _mm256_div_ps(mv.m, denom);
-    acc = _mm256_fmadd_ps(normalized, normalized, acc);
-  }
+  for (int64_t j = 0; j < count; j += 8)
+    acc = add_norm_sq8(c, m, v, j, _mm256_loadu_ps(a + j), carry, acc);
   return lane_sum(acc);
 }
 
