@@ -154,6 +154,9 @@ struct Target {
   static void mutate(FuzzedDataProvider& in, Optimizer& opt, std::vector<at::Tensor>& params) {
     ::mutate(in, opt, params);
   }
+  static bool skips_alone(const Options&) {
+    return false;
+  }  // every non-finite gradient skips the step
   // The SVD's test hook: a convergence failure or a NaN result for the step's first SVD (none
   // is left armed for the next input: every step sets it).
   static void before_step(FuzzedDataProvider& in) {

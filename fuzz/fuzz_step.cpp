@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "fuzz_util.h"
-#include "optimizer_target.h"
 #include "gwt/optim/wavelet_adam.h"
 #include "gwt/wavelet.h"
+#include "optimizer_target.h"
 
 namespace {
 
@@ -65,6 +65,8 @@ WaveletAdamOptions draw_options(FuzzedDataProvider& in) {
   o.threshold(pick(in, std::vector<double>{0, 0, 0, 1e-3, 0.1, 1e30, -1, k_nan, k_inf}));
   o.threshold_mode(pick(in, std::vector<std::string>{"soft", "hard", "firm"}));
   o.min_size(pick(in, std::vector<int64_t>{0, 0, 0, 4, 32, -1}));
+  o.nonfinite(pick(
+      in, std::vector<std::string>{"skip_step", "skip_step", "skip_param", "skip_param", "skip"}));
   return o;
 }
 
@@ -95,7 +97,8 @@ Bound update_bound(const WaveletAdam& opt, const at::Tensor& param, const Wavele
   const double detail_term = step_size * coeff / o.eps();
   double update = approx_term;
   if (wavelet)
-    update = std::abs(o.scale()) * std::pow(2 * l1, levels) * (approx_term + 3 * levels * detail_term);
+    update =
+        std::abs(o.scale()) * std::pow(2 * l1, levels) * (approx_term + 3 * levels * detail_term);
   const double p = gwt_fuzz::max_abs(param.to(at::kDouble));
   b.param = (p + update) * (1 + o.lr() * o.weight_decay());
   b.coeff = a;
@@ -124,8 +127,9 @@ std::string describe(const std::vector<at::Tensor>& params, const WaveletAdam& o
     s += "group " + std::to_string(g) + ": lr=" + std::to_string(o.lr()) +
          " eps=" + std::to_string(o.eps()) + " wavelet=" + o.wavelet() +
          " level=" + std::to_string(o.level()) + " boundary=" + o.boundary() +
-         " transform=" + o.transform() + " fused=" + std::to_string(o.fused()) +
-         " state_dtype=" + o.state_dtype() + " threshold=" + std::to_string(o.threshold()) + "\n";
+         " transform=" + o.transform() + " nonfinite=" + o.nonfinite() +
+         " fused=" + std::to_string(o.fused()) + " state_dtype=" + o.state_dtype() +
+         " threshold=" + std::to_string(o.threshold()) + "\n";
   }
   return s + gwt_fuzz::describe_params(params);
 }
@@ -194,6 +198,7 @@ struct Target {
   }
   static std::vector<std::string> state_names() { return {"exp_avg", "exp_avg_sq", "norm"}; }
   static std::vector<int64_t> counters(const Optimizer& opt) { return {opt.skipped_steps()}; }
+  static bool skips_alone(const Options& o) { return o.nonfinite() == "skip_param"; }
   static Bound bound(const Optimizer& opt, const at::Tensor& param, const Options& o,
                      const at::Tensor& grad, double coeff_before, int64_t step) {
     return update_bound(opt, param, o, grad, coeff_before, step);

@@ -5,7 +5,10 @@
 // and a change between them) and the properties every step is held to:
 // - nothing but a c10::Error escapes; after one, parameters, state and counters are as before
 //   (byte for byte);
-// - a non-finite gradient skips the step: nothing changes and skipped_steps() grows by one;
+// - a non-finite gradient skips the step: nothing changes and skipped_steps() grows by one; in a
+//   group whose options skip alone (T::skips_alone: WaveletAdam's nonfinite("skip_param")) it
+//   skips only its parameter, which keeps its value and state (a first step's fresh state may be
+//   kept, with step 0), while the others step and skipped_steps() grows by one;
 // - a step taken advances the step count of exactly the parameters with a gradient, leaves the
 //   others untouched, and, when its inputs are finite and within the target's bound, leaves every
 //   parameter and state tensor finite. Finite inputs outside the bound that give a non-finite
@@ -21,6 +24,7 @@
 //   static std::vector<at::Tensor> state_tensors(const State&);  // flags as 0-dim tensors
 //   static std::vector<std::string> state_names();              // one per state tensor
 //   static std::vector<int64_t> counters(const Optimizer&);     // skipped_steps() first
+//   static bool skips_alone(const Options&);  // a non-finite gradient skips only its parameter
 //   static Bound bound(const Optimizer&, const at::Tensor& param, const Options&,
 //                      const at::Tensor& grad, double coeff_before, int64_t step);
 //   static bool within(const Bound&, const ParamSnapshot& before, const Options&);
@@ -123,10 +127,18 @@ void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& par
     for (const auto& p : opt.param_groups()[g].params())
       for (size_t i = 0; i < params.size(); ++i)
         if (p.is_same(params[i])) options[i] = &T::group_options(opt, g);
+  // Non-finite gradients of parameters that skip alone, and whether any other one skips the step.
+  std::vector<bool> skips_alone(params.size(), false);
+  bool skips_step = false;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& grad = params[i].grad();
     if (!grad.defined() || grad.is_sparse() || !grad.is_floating_point()) continue;
-    grads_finite = grads_finite && all_finite(grad);
+    if (all_finite(grad)) continue;
+    grads_finite = false;
+    if (options[i] != nullptr && T::skips_alone(*options[i]))
+      skips_alone[i] = true;
+    else
+      skips_step = true;
   }
   try {
     for (size_t i = 0; i < params.size(); ++i) {
@@ -159,20 +171,51 @@ void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& par
     expect_unchanged(before, after, "after the error '" + message + "'\n" + what);
     return;
   }
-  if (after.counters.front() != before.counters.front()) {
-    GWT_FUZZ_CHECK(after.counters.front() == before.counters.front() + 1, what);
-    Snapshot expected = before;
-    expected.counters.front() += 1;
-    expect_unchanged(expected, after, "after a skipped step\n" + what);
+  const bool counted = after.counters.front() != before.counters.front();
+  if (counted) GWT_FUZZ_CHECK(after.counters.front() == before.counters.front() + 1, what);
+  bool none_changed = before.states == after.states;
+  for (size_t i = 0; i < params.size(); ++i)
+    none_changed = none_changed && same_param(before.params[i], after.params[i]);
+  if (counted && none_changed) {  // the whole step skipped (or every parameter that had one)
+    GWT_FUZZ_CHECK(std::equal(before.counters.begin() + 1, before.counters.end(),
+                              after.counters.begin() + 1, after.counters.end()),
+                   "after a skipped step\n" + what);
     if (grads_finite)
       note("skip-finite-grads", "a step with finite gradients was skipped as non-finite\n" + what,
            data, size);
     return;
   }
-  if (!grads_finite) fail("a non-finite gradient did not skip the step\n" + what);
+  if (skips_step) fail("a non-finite gradient did not skip the step\n" + what);
+  // What changed is a step, in which parameters of groups that skip alone may have been skipped:
+  // those keep their value and state (a first step's fresh state may be kept, with step 0). Every
+  // one with a non-finite gradient must be; one with finite gradients (its norm overflowed) is a
+  // note, as a whole step so skipped is.
+  std::vector<bool> skipped(params.size(), false);
+  bool any_skipped = false;
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSnapshot& b = before.params[i];
     const ParamSnapshot& a = after.params[i];
+    const bool alone =
+        options[i] != nullptr && T::skips_alone(*options[i]) && params[i].grad().defined();
+    const bool kept = b.has_state ? same_param(b, a)
+                                  : same_bytes(b.param, a.param) && (!a.has_state || a.step == 0);
+    if (alone && kept) {
+      skipped[i] = any_skipped = true;
+      if (!skips_alone[i])
+        note("skip-finite-grads", "a parameter with finite gradients was skipped alone\n" + what,
+             data, size);
+    } else if (skips_alone[i]) {
+      fail("a parameter with a non-finite gradient was not skipped alone\n" + what);
+    }
+  }
+  if (any_skipped != counted)
+    fail(std::string(counted ? "a step was counted as skipped, but no parameter was"
+                             : "a parameter was skipped alone, but the step was not counted") +
+         "\n" + what);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSnapshot& b = before.params[i];
+    const ParamSnapshot& a = after.params[i];
+    if (skipped[i]) continue;
     if (!params[i].grad().defined()) {
       if (!same_param(b, a)) fail("a parameter without gradient changed\n" + what);
       continue;

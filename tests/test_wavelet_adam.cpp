@@ -753,6 +753,42 @@ TEST(WaveletAdam, SaveLoadBeforeAParametersFirstStep) {
     EXPECT_TRUE(at::equal(resumed[i], params[i])) << "param " << i;
 }
 
+// Parameters without elements step, in every path and both nonfinite modes: nothing to update,
+// their step counts advance, and the others step as they would alone. A [0, n] parameter whose
+// rows hold whole Haar blocks was given to the CPU kernel as one row of 0 elements, which it
+// refused with an internal assert (found by fuzz_step once it drew "skip_param", 2026-12-06).
+TEST(WaveletAdam, ParametersWithoutElementsStep) {
+  for (const std::string mode : {"skip_step", "skip_param"})
+    for (const bool fused : {true, false})
+      for (const at::ScalarType dtype : {at::kFloat, at::kHalf})
+        for (const std::string transform : {"1d", "2d"}) {
+          SCOPED_TRACE(mode + (fused ? " fused " : " reference ") + c10::toString(dtype) + " " +
+                       transform);
+          at::manual_seed(37);
+          const std::vector<at::Tensor> empty = {make_param({0, 16}, dtype),
+                                                 make_param({2, 0, 8}, dtype),
+                                                 make_param({5, 0}, dtype), make_param({0}, dtype)};
+          at::Tensor full = make_param({4, 32}, dtype);
+          at::Tensor alone = full.detach().clone().requires_grad_(true);
+          std::vector<at::Tensor> params = empty;
+          params.push_back(full);
+          const auto o =
+              WaveletAdamOptions(0.01).level(2).fused(fused).nonfinite(mode).transform(transform);
+          WaveletAdam opt(params, o);
+          WaveletAdam single({alone}, o);
+          for (int t = 0; t < 2; ++t) {
+            for (const at::Tensor& p : empty) set_grad(p, at::zeros_like(p));
+            const at::Tensor g = at::randn({4, 32}).to(dtype);
+            set_grad(full, g), set_grad(alone, g);
+            ASSERT_NO_THROW(opt.step());
+            single.step();
+          }
+          for (const at::Tensor& p : empty) EXPECT_EQ(state_of(opt, p).step(), 2);
+          EXPECT_TRUE(at::equal(full, alone));
+          EXPECT_EQ(opt.skipped_steps(), 0);
+        }
+}
+
 // `in` reads what `out` wrote, as a checkpoint file would give it back.
 void reopen(torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
   std::ostringstream bytes;

@@ -393,7 +393,9 @@ kernels::HaarAdamArgs haar_args(const Work& work, double step_size) {
   // parameter is the same problem as one row of rows * n (and its moments, [rows, approx_len],
   // one row of rows * approx_len). On the CPU the kernel then tiles across rows, and narrow
   // matrices (64 wide: 16 coefficients a row at level 2) do not pay a tile's set-up per row.
-  if (work.path == Path::haar && !args.two_d && work.param.is_cpu() &&
+  // (Not for a parameter without rows, [0, n]: it would become one row of 0, which no kernel
+  // takes.)
+  if (work.path == Path::haar && !args.two_d && work.param.is_cpu() && args.rows > 0 &&
       args.n % (int64_t{1} << args.level) == 0) {
     args.n *= args.rows, args.approx_len *= args.rows;
     args.rows = 1;
