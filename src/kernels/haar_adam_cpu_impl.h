@@ -70,18 +70,18 @@ class HaarAdam {
                    std::max<int64_t>(1, args.rows * args.n /
                                             std::max<int64_t>(1, state_rows_ * tiles_per_row_)))) {}
 
-  // std::pow(2, -level / 2) (1-D) or std::pow(2, -level) (2-D). A tensor's step builds this class
-  // twice (norm and update pass), so the powers of levels 0..63 are computed once.
+  // std::pow(2, -level / 2) (1-D) or std::pow(2, -level) (2-D), for the levels the entry points
+  // admit (1..30, check() in haar_adam_cpu.cpp). A tensor's step builds this class twice (norm and
+  // update pass), so the powers are computed once.
   static double approx_scale_of(bool two_d, int64_t level) {
-    auto of = [](bool d, int64_t l) {
-      return std::pow(2.0, (d ? -1.0 : -0.5) * static_cast<double>(l));
-    };
-    static const auto table = [&of] {
-      std::array<double, 128> t{};
-      for (int64_t i = 0; i < 128; ++i) t[i] = of(i >= 64, i % 64);
+    static const auto table = [] {
+      std::array<std::array<double, 31>, 2> t{};
+      for (int d = 0; d < 2; ++d)
+        for (int l = 0; l <= 30; ++l) t[d][l] = std::pow(2.0, (d == 1 ? -1.0 : -0.5) * l);
       return t;
     }();
-    return level >= 0 && level < 64 ? table[(two_d ? 64 : 0) + level] : of(two_d, level);
+    TORCH_INTERNAL_ASSERT(level >= 0 && level <= 30);
+    return table[two_d ? 1 : 0][level];
   }
 
   // Norm pass over all tiles: fixed tiles, summed in order.

@@ -158,10 +158,6 @@ void apply_weight_decay(at::Tensor& param, const WaveletAdamOptions& o) {
   if (o.weight_decay() != 0) param.add_(param, -o.lr() * o.weight_decay());
 }
 
-bool per_param(const Work& w) {
-  return w.per_param;
-}
-
 // Room for HaarAdamArgs::carry, for "skip_param" tensors: the Haar CPU norm pass leaves each
 // coefficient's approximation and denominator (8 bytes per coefficient) for the update pass, which
 // then neither sums the gradient's blocks nor takes the square roots again (same bits; in L1 the
@@ -176,7 +172,7 @@ void assign_carry(std::vector<Work>& work, std::vector<float>& room) {
   constexpr int64_t k_budget = int64_t{1} << 20;  // floats
   int64_t need = 0;
   for (Work& w : work) {
-    if (!per_param(w) || w.path != Path::haar || !w.param.is_cpu() ||
+    if (!w.per_param || w.path != Path::haar || !w.param.is_cpu() ||
         compute_dtype(w.param) != at::kFloat || w.options->level() > 3)
       continue;  // the float32 vector body, which alone takes a carry, does not run
     const int64_t floats = 2 * w.state->exp_avg().numel();
@@ -730,7 +726,7 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
   };
   std::vector<at::Tensor> to_check;
   for (auto& w : work) {
-    if (per_param(w)) continue;
+    if (w.per_param) continue;
     at::Tensor check = check_of(w);
     if (check.defined()) to_check.push_back(std::move(check));
   }
@@ -745,7 +741,7 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
   bool skipped_any = false;
   for (auto& w : work) {
     bool skip = false;
-    if (per_param(w)) {
+    if (w.per_param) {
       host_nonfinite = false;
       const at::Tensor check = check_of(w);
       skip = host_nonfinite || (check.defined() && !optim_detail::all_finite({check}));
