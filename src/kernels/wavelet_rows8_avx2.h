@@ -131,7 +131,8 @@ struct Scratch {
   }
 };
 
-// Software prefetch of eight rows, one 64-byte line per call of next(), row after row. The body
+// Software prefetch of up to three regions (eight rows, or a group's moments), one 64-byte line
+// per call of next(), row after row, region after region. The body
 // alternates between reading and writing rows (the transposes) and computing in L1/L2; a core
 // here keeps too few misses in flight to hide DRAM's latency by itself, so without prefetching the
 // memory and compute phases add up (measured: the db2 step took the Haar step's time plus its
@@ -139,22 +140,38 @@ struct Scratch {
 class Prefetcher {
  public:
   Prefetcher() = default;
-  Prefetcher(const void* first_row, int64_t row_bytes, int64_t stride_bytes, int rows)
-      : row_(static_cast<const char*>(first_row)),
-        row_bytes_(row_bytes),
-        stride_(stride_bytes),
-        rows_left_(first_row == nullptr ? 0 : rows) {}
+  Prefetcher(const void* first_row, int64_t row_bytes, int64_t stride_bytes, int rows) {
+    then(first_row, row_bytes, stride_bytes, rows);
+  }
+  // Another region, prefetched once the earlier ones are (at most k_regions in all).
+  Prefetcher& then(const void* first_row, int64_t row_bytes, int64_t stride_bytes, int rows) {
+    if (first_row != nullptr && rows > 0 && row_bytes > 0) {
+      TORCH_INTERNAL_ASSERT(count_ < k_regions);
+      regions_[count_++] = Region{static_cast<const char*>(first_row), row_bytes, stride_bytes, rows};
+    }
+    return *this;
+  }
   void next() {
-    if (rows_left_ == 0) return;
-    _mm_prefetch(row_ + offset_, _MM_HINT_T1);
+    if (at_ == count_) return;
+    Region& r = regions_[at_];
+    _mm_prefetch(r.row + offset_, _MM_HINT_T1);
     offset_ += 64;
-    if (offset_ >= row_bytes_) offset_ = 0, row_ += stride_, --rows_left_;
+    if (offset_ >= r.row_bytes) {
+      offset_ = 0, r.row += r.stride;
+      if (--r.rows == 0) ++at_;
+    }
   }
 
  private:
-  const char* row_ = nullptr;
-  int64_t row_bytes_ = 0, stride_ = 0, offset_ = 0;
-  int rows_left_ = 0;
+  static constexpr int k_regions = 3;
+  struct Region {
+    const char* row;
+    int64_t row_bytes, stride;
+    int rows;
+  };
+  Region regions_[k_regions] = {};
+  int count_ = 0, at_ = 0;
+  int64_t offset_ = 0;
 };
 
 // P, G, S: the parameters', gradients' and moments' types, each float, c10::BFloat16 or
@@ -171,10 +188,11 @@ class Rows8 {
   }
 
   // Norm pass of rows [r0, r0 + 8): sums[l] = sum over j of (m' / (sqrt(v') + eps))^2 of row r0 +
-  // l. next: first row of the group that follows on this thread (-1: none); its gradient is
-  // prefetched.
+  // l. next: first row of the group that follows on this thread (-1: none); its gradient and
+  // moments are prefetched while this group's analysis runs.
   void norm_sq(int64_t r0, int64_t next, Scratch& s, double sums[8]) const {
     Prefetcher grad_ahead = rows(static_cast<const G*>(a_.grad), next);
+    moments_of(next, grad_ahead);
     dwt<false>(r0, s, grad_ahead);
     interleave(static_cast<const S*>(a_.exp_avg) + r0 * f_.approx_len, f_.approx_len, f_.approx_len,
                s.m.data());
@@ -197,9 +215,13 @@ class Rows8 {
 
   // Update pass of rows [r0, r0 + 8): moments stored, coefficients normalised, IDWT, p updated.
   void update(int64_t r0, int64_t next, float lim, Scratch& s) const {
-    // This group's parameters while its analysis runs, the next group's gradient while its
-    // synthesis runs.
-    Prefetcher params_ahead = rows(static_cast<const P*>(a_.param), r0);
+    // This group's moments (read first) and parameters while its analysis runs, the next group's
+    // gradient while its synthesis runs. Without the moments in the list, on the EPYC the
+    // llama60m step took 26.4 ms against 24.3-24.6 (docs/general_kernel.md).
+    Prefetcher params_ahead;
+    moments_of(r0, params_ahead);
+    params_ahead.then(static_cast<const P*>(a_.param) + r0 * a_.n, a_.n * sizeof(P),
+                      a_.n * sizeof(P), 8);
     Prefetcher grad_ahead = rows(static_cast<const G*>(a_.grad), next);
     dwt<true>(r0, s, params_ahead);
     S* m_rows = static_cast<S*>(a_.exp_avg) + r0 * f_.approx_len;
@@ -225,17 +247,11 @@ class Rows8 {
     }
     deinterleave(m_new, f_.approx_len, m_rows, f_.approx_len);
     deinterleave(v_new, f_.approx_len, v_rows, f_.approx_len);
-    // Detail i of level l shares the denominator of approximation coefficient i >> (L - l), and
-    // is multiplied by its reciprocal, as in the one-row kernel.
-    for (int l = f_.level; l >= 1; --l) {
-      float* d = w + f_.detail_offset[l] * k_lanes;
-      const int shift = f_.level - l;
-      for (int64_t i = 0, len = f_.lengths[l]; i < len; ++i)
-        store(d, i, _mm256_mul_ps(load(d, i), load(inv_all, i >> shift)));
-    }
     // IDWT cascade, coarsest first; an approximation one longer than its detail loses its last
     // sample (PyWavelets' waverec). The last level's samples go into s.x (the gradient's
-    // interleaved copy is no longer needed), then into p row by row.
+    // interleaved copy is no longer needed), then into p row by row. Detail i of level l shares
+    // the denominator of approximation coefficient i >> (L - l) and is multiplied by its
+    // reciprocal as the synthesis reads it (Details below), as in the one-row kernel.
     const float* approx = w;
     int64_t len = f_.approx_len;
     float* out = s.y0.data();
@@ -244,8 +260,8 @@ class Rows8 {
       TORCH_INTERNAL_ASSERT(len == f_.lengths[l]);
       const int64_t pairs = row::synthesis_pairs(len, f_.taps, f_.mode);
       if (l == 1) out = s.x.data();
-      idwt_level(approx, w + f_.detail_offset[l] * k_lanes, len, pairs, out,
-                 l == 1 ? &grad_ahead : nullptr);
+      const Details details{w + f_.detail_offset[l] * k_lanes, inv_all, f_.level - l};
+      idwt_level(approx, details, len, pairs, out, l == 1 ? &grad_ahead : nullptr);
       approx = out;
       len = 2 * pairs;
       out = out == s.y0.data() ? s.y1.data() : s.y0.data();
@@ -255,6 +271,14 @@ class Rows8 {
   }
 
  private:
+  // The moments of rows [r0, r0 + 8), both contiguous, as regions of ahead (none for r0 < 0).
+  void moments_of(int64_t r0, Prefetcher& ahead) const {
+    if (r0 < 0) return;
+    const int64_t bytes = 8 * f_.approx_len * static_cast<int64_t>(sizeof(S));
+    ahead.then(static_cast<const S*>(a_.exp_avg) + r0 * f_.approx_len, bytes, bytes, 1);
+    ahead.then(static_cast<const S*>(a_.exp_avg_sq) + r0 * f_.approx_len, bytes, bytes, 1);
+  }
+
   template <typename T>
   Prefetcher rows(const T* data, int64_t r0) const {
     if (r0 < 0) return Prefetcher();
@@ -285,15 +309,16 @@ class Rows8 {
     float* w = s.w.data();
     for (int l = 1; l <= f_.level; ++l) {
       float* approx = l == f_.level ? w : (l % 2 == 1 ? s.y0.data() : s.y1.data());
-      dwt_level<Details>(in, f_.lengths[l - 1], approx, w + f_.detail_offset[l] * k_lanes,
-                         l == 1 ? &ahead : nullptr);
+      dwt_level<Details>(in, f_.lengths[l - 1], approx, w + f_.detail_offset[l] * k_lanes, &ahead);
       in = approx;
     }
   }
 
   // One analysis level: coefficient o = sum_k x~[2o + offset + k] rec[k] (x~ the extended row).
-  // ahead: lines to prefetch, one per interior output: eight rows of n floats are n / 2 lines
-  // (n / 4 of 16-bit types, which then finish early), and level 1 has about n / 2 outputs.
+  // ahead: lines to prefetch, one per interior output of every level: eight rows of n floats are
+  // n / 2 lines (n / 4 of 16-bit types, which then finish early), and level 1 has about n / 2
+  // outputs; with a group's moments too (L = 2: n / 4 lines more), the list runs on into the
+  // levels after it.
   template <bool Details>
   void dwt_level(const float* x, int64_t n, float* approx, float* detail, Prefetcher* ahead) const {
     const int64_t len = dwt_coeff_len(n, f_.taps, f_.mode);
@@ -336,24 +361,40 @@ class Rows8 {
     __m256 lo_taps[F], hi_taps[F];
     for (int k = 0; k < F; ++k) lo_taps[k] = rec_lo_[k], hi_taps[k] = rec_hi_[k];
     Prefetcher prefetch = ahead != nullptr ? *ahead : Prefetcher();
+    if (first >= last) return;
+    // The window's samples stay in registers from one output to the next, which reads two new
+    // ones: each sample is loaded once, not F / 2 times.
+    __m256 window[F];
+    for (int k = 0; k < F - 2; ++k) window[k] = load(x, 2 * first + offset + k);
     for (int64_t o = first; o < last; ++o) {
       prefetch.next();
-      const float* window = x + (2 * o + offset) * k_lanes;
+      window[F - 2] = load(x, 2 * o + offset + F - 2);
+      window[F - 1] = load(x, 2 * o + offset + F - 1);
       __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
       for (int k = 0; k < F; ++k) {
-        const __m256 value = _mm256_loadu_ps(window + k * k_lanes);
-        lo = _mm256_fmadd_ps(lo_taps[k], value, lo);
-        if constexpr (Details) hi = _mm256_fmadd_ps(hi_taps[k], value, hi);
+        lo = _mm256_fmadd_ps(lo_taps[k], window[k], lo);
+        if constexpr (Details) hi = _mm256_fmadd_ps(hi_taps[k], window[k], hi);
       }
       store(approx, o, lo);
       if constexpr (Details) store(detail, o, hi);
+      for (int k = 0; k + 2 < F; ++k) window[k] = window[k + 2];
     }
     if (ahead != nullptr) *ahead = prefetch;
   }
 
+  // The details of one level as the synthesis reads them: detail i is d[i] * inv[i >> shift], the
+  // same product, bit for bit, as a pass that scaled them in place before the synthesis, without
+  // that pass's stores and loads of every detail.
+  struct Details {
+    const float* d;
+    const float* inv;
+    int shift;
+    __m256 operator()(int64_t i) const { return _mm256_mul_ps(load(d, i), load(inv, i >> shift)); }
+  };
+
   // One synthesis level from len coefficients each: pairs [0, count), out[2m], out[2m + 1] =
   // sum_q dec_lo[j] a[m + q] + dec_hi[j] d[m + q], j = phase + 2q - e (row::synthesize).
-  void idwt_level(const float* a, const float* d, int64_t len, int64_t count, float* out,
+  void idwt_level(const float* a, const Details& d, int64_t len, int64_t count, float* out,
                   Prefetcher* ahead) const {
     const bool periodic = f_.mode == BoundaryMode::periodization;
     const int phase = periodic ? f_.taps / 2 : 1;
@@ -364,7 +405,7 @@ class Rows8 {
       for (int q = q_lo; q <= q_hi; ++q) {
         int64_t i = m + q;
         if (wrap) i = ((i % len) + len) % len;
-        const __m256 av = load(a, i), dv = load(d, i);
+        const __m256 av = load(a, i), dv = d(i);
         for (int e = 0; e < 2; ++e) {
           const int j = phase + 2 * q - e;
           if (j >= 0 && j < f_.taps)
@@ -392,20 +433,34 @@ class Rows8 {
     for (int64_t m = last; m < count; ++m) pair(m, periodic);
   }
 
+  // Interior pairs [first, last): every m + q inside the level. The scaled details of a window
+  // (q_lo..q_hi) stay in registers from one pair to the next, so each is computed once.
   template <int F, bool Periodic>
-  void idwt_interior(const float* a, const float* d, int64_t first, int64_t last, float* out,
-                     Prefetcher* ahead) const {
+  void idwt_interior(const float* a, const Details& details, int64_t first, int64_t last,
+                     float* out, Prefetcher* ahead) const {
     constexpr int phase = Periodic ? F / 2 : 1;
     constexpr int q_lo = Periodic ? -((F / 2 + 1) / 2) : 0;
     constexpr int q_hi = Periodic ? (F / 2 + 1) / 2 : F / 2 - 1;
+    constexpr int W = q_hi - q_lo + 1;
+    if (first >= last) return;
     __m256 lo[F], hi[F];  // locals, as in analysis_interior
     for (int k = 0; k < F; ++k) lo[k] = dec_lo_[k], hi[k] = dec_hi_[k];
+    const float *d = details.d, *inv = details.inv;
+    const int shift = details.shift;
     Prefetcher prefetch = ahead != nullptr ? *ahead : Prefetcher();
+    // [q - q_lo]: approximation m + q, and detail m + q scaled
+    __m256 approx[W], detail[W];
+    for (int q = q_lo; q < q_hi; ++q) {
+      approx[q - q_lo] = load(a, first + q);
+      detail[q - q_lo] = _mm256_mul_ps(load(d, first + q), load(inv, (first + q) >> shift));
+    }
     for (int64_t m = first; m < last; ++m) {
       prefetch.next();
+      approx[W - 1] = load(a, m + q_hi);
+      detail[W - 1] = _mm256_mul_ps(load(d, m + q_hi), load(inv, (m + q_hi) >> shift));
       __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
       for (int q = q_lo; q <= q_hi; ++q) {
-        const __m256 av = load(a, m + q), dv = load(d, m + q);
+        const __m256 av = approx[q - q_lo], dv = detail[q - q_lo];
         const int je = phase + 2 * q, jo = phase + 2 * q - 1;
         // Two multiply-adds per tap pair (the one-row kernel adds lo a + hi d as one term; the
         // same terms, another rounding order, within the tests' bound).
@@ -415,6 +470,7 @@ class Rows8 {
       }
       store(out, 2 * m, even);
       store(out, 2 * m + 1, odd);
+      for (int k = 0; k + 1 < W; ++k) approx[k] = approx[k + 1], detail[k] = detail[k + 1];
     }
     if (ahead != nullptr) *ahead = prefetch;
   }
