@@ -131,8 +131,8 @@ struct Scratch {
   }
 };
 
-// Software prefetch of up to three regions (eight rows, or a group's moments), one 64-byte line
-// per call of next(), row after row, region after region. The body
+// Software prefetch of up to four regions (eight rows, or a group's moments), 64-byte lines
+// requested row after row, region after region, paced by pace() over the calls of next(). The body
 // alternates between reading and writing rows (the transposes) and computing in L1/L2; a core
 // here keeps too few misses in flight to hide DRAM's latency by itself, so without prefetching the
 // memory and compute phases add up (measured: the db2 step took the Haar step's time plus its
@@ -151,7 +151,20 @@ class Prefetcher {
     }
     return *this;
   }
+  // Spreads the lines over about `calls` calls of next() (a line per call if there are fewer
+  // calls than lines, the default). Requested one per call from the first loop on, a group's lines
+  // were all in flight during its first analysis level, whose few operations per line then waited
+  // on full miss buffers, and no line was asked for during the rest of the group: on the EPYC the
+  // llama60m db2 step took 25.8-25.9 ms that way, 21.7 ms paced (docs/general_kernel.md).
+  void pace(int64_t calls) {
+    int64_t lines = 0;
+    for (int i = 0; i < count_; ++i) lines += regions_[i].rows * ((regions_[i].row_bytes + 63) / 64);
+    step_ = calls <= lines ? k_whole : k_whole * lines / calls;
+  }
   void next() {
+    credit_ += step_;
+    if (credit_ < k_whole) return;
+    credit_ -= k_whole;
     if (at_ == count_) return;
     Region& r = regions_[at_];
     _mm_prefetch(r.row + offset_, _MM_HINT_T1);
@@ -163,7 +176,8 @@ class Prefetcher {
   }
 
  private:
-  static constexpr int k_regions = 3;
+  static constexpr int k_regions = 4;
+  static constexpr int64_t k_whole = 1 << 16;  // one line, in the fixed-point units of step_
   struct Region {
     const char* row;
     int64_t row_bytes, stride;
@@ -171,7 +185,7 @@ class Prefetcher {
   };
   Region regions_[k_regions] = {};
   int count_ = 0, at_ = 0;
-  int64_t offset_ = 0;
+  int64_t offset_ = 0, step_ = k_whole, credit_ = 0;
 };
 
 // P, G, S: the parameters', gradients' and moments' types, each float, c10::BFloat16 or
@@ -189,10 +203,11 @@ class Rows8 {
 
   // Norm pass of rows [r0, r0 + 8): sums[l] = sum over j of (m' / (sqrt(v') + eps))^2 of row r0 +
   // l. next: first row of the group that follows on this thread (-1: none); its gradient and
-  // moments are prefetched while this group's analysis runs.
+  // moments are prefetched while this group's analysis and moment loop run.
   void norm_sq(int64_t r0, int64_t next, Scratch& s, double sums[8]) const {
     Prefetcher grad_ahead = rows(static_cast<const G*>(a_.grad), next);
     moments_of(next, grad_ahead);
+    grad_ahead.pace(calls(false));
     dwt<false>(r0, s, grad_ahead);
     interleave(static_cast<const S*>(a_.exp_avg) + r0 * f_.approx_len, f_.approx_len, f_.approx_len,
                s.m.data());
@@ -204,6 +219,7 @@ class Rows8 {
     const float *m_old = s.m.data(), *v_old = s.v.data(), *w = s.w.data();
     for (int64_t j = 0, len = f_.approx_len; j < len; ++j) {
       __m256 m, v;
+      grad_ahead.next();
       moments.next(load(m_old, j), load(v_old, j), load(w, j), m, v);
       const __m256 normalized = _mm256_div_ps(m, _mm256_add_ps(_mm256_sqrt_ps(v), eps));
       sum = _mm256_fmadd_ps(normalized, normalized, sum);
@@ -215,15 +231,18 @@ class Rows8 {
 
   // Update pass of rows [r0, r0 + 8): moments stored, coefficients normalised, IDWT, p updated.
   void update(int64_t r0, int64_t next, float lim, Scratch& s) const {
-    // This group's moments (read first) and parameters while its analysis runs, the next group's
-    // gradient while its synthesis runs. Without the moments in the list, on the EPYC the
-    // llama60m step took 26.4 ms against 24.3-24.6 (docs/general_kernel.md).
-    Prefetcher params_ahead;
-    moments_of(r0, params_ahead);
-    params_ahead.then(static_cast<const P*>(a_.param) + r0 * a_.n, a_.n * sizeof(P),
-                      a_.n * sizeof(P), 8);
-    Prefetcher grad_ahead = rows(static_cast<const G*>(a_.grad), next);
-    dwt<true>(r0, s, params_ahead);
+    // This group's moments (read first) and parameters, then the next group's gradient, spread
+    // over the analysis, the moment loop and the synthesis. Without the moments in the list, on
+    // the EPYC the llama60m step took 26.4 ms against 24.3-24.6 (docs/general_kernel.md).
+    Prefetcher ahead;
+    moments_of(r0, ahead);
+    ahead.then(static_cast<const P*>(a_.param) + r0 * a_.n, a_.n * sizeof(P), a_.n * sizeof(P),
+               8);
+    if (next >= 0)
+      ahead.then(static_cast<const G*>(a_.grad) + next * a_.n, a_.n * sizeof(G), a_.n * sizeof(G),
+                 8);
+    ahead.pace(calls(true));
+    dwt<true>(r0, s, ahead);
     S* m_rows = static_cast<S*>(a_.exp_avg) + r0 * f_.approx_len;
     S* v_rows = static_cast<S*>(a_.exp_avg_sq) + r0 * f_.approx_len;
     interleave(m_rows, f_.approx_len, f_.approx_len, s.m.data());
@@ -235,6 +254,7 @@ class Rows8 {
     float *w = s.w.data(), *m_new = s.m.data(), *v_new = s.v.data(), *inv_all = s.inv.data();
     for (int64_t j = 0, len = f_.approx_len; j < len; ++j) {
       __m256 m, v;
+      ahead.next();
       moments.next(load(m_new, j), load(v_new, j), load(w, j), m, v);
       store(m_new, j, m);
       store(v_new, j, v);
@@ -261,7 +281,7 @@ class Rows8 {
       const int64_t pairs = row::synthesis_pairs(len, f_.taps, f_.mode);
       if (l == 1) out = s.x.data();
       const Details details{w + f_.detail_offset[l] * k_lanes, inv_all, f_.level - l};
-      idwt_level(approx, details, len, pairs, out, l == 1 ? &grad_ahead : nullptr);
+      idwt_level(approx, details, len, pairs, out, &ahead);
       approx = out;
       len = 2 * pairs;
       out = out == s.y0.data() ? s.y1.data() : s.y0.data();
@@ -271,6 +291,13 @@ class Rows8 {
   }
 
  private:
+  // Calls of Prefetcher::next() a group's pass makes, about: one per interior output of each
+  // analysis level, per moment, and (update pass) per interior output pair of each synthesis level.
+  int64_t calls(bool synthesis) const {
+    int64_t c = f_.approx_len;
+    for (int l = 1; l <= f_.level; ++l) c += (synthesis ? 2 : 1) * f_.lengths[l];
+    return c;
+  }
   // The moments of rows [r0, r0 + 8), both contiguous, as regions of ahead (none for r0 < 0).
   void moments_of(int64_t r0, Prefetcher& ahead) const {
     if (r0 < 0) return;
