@@ -271,7 +271,8 @@ class Rows8 {
     // sample (PyWavelets' waverec). The last level's samples go into s.x (the gradient's
     // interleaved copy is no longer needed), then into p row by row. Detail i of level l shares
     // the denominator of approximation coefficient i >> (L - l) and is multiplied by its
-    // reciprocal as the synthesis reads it (Details below), as in the one-row kernel.
+    // reciprocal as the synthesis reads it (ScaledDetails below); the one-row kernel scales them
+    // in place first, the same product.
     const float* approx = w;
     int64_t len = f_.approx_len;
     float* out = s.y0.data();
@@ -280,7 +281,7 @@ class Rows8 {
       TORCH_INTERNAL_ASSERT(len == f_.lengths[l]);
       const int64_t pairs = row::synthesis_pairs(len, f_.taps, f_.mode);
       if (l == 1) out = s.x.data();
-      const Details details{w + f_.detail_offset[l] * k_lanes, inv_all, f_.level - l};
+      const ScaledDetails details{w + f_.detail_offset[l] * k_lanes, inv_all, f_.level - l};
       idwt_level(approx, details, len, pairs, out, &ahead);
       approx = out;
       len = 2 * pairs;
@@ -342,10 +343,8 @@ class Rows8 {
   }
 
   // One analysis level: coefficient o = sum_k x~[2o + offset + k] rec[k] (x~ the extended row).
-  // ahead: lines to prefetch, one per interior output of every level: eight rows of n floats are
-  // n / 2 lines (n / 4 of 16-bit types, which then finish early), and level 1 has about n / 2
-  // outputs; with a group's moments too (L = 2: n / 4 lines more), the list runs on into the
-  // levels after it.
+  // ahead: the lines to prefetch, next() once per interior output of every level (Prefetcher::pace
+  // spreads the list over all the calls of the pass).
   template <bool Details>
   void dwt_level(const float* x, int64_t n, float* approx, float* detail, Prefetcher* ahead) const {
     const int64_t len = dwt_coeff_len(n, f_.taps, f_.mode);
@@ -389,8 +388,8 @@ class Rows8 {
     for (int k = 0; k < F; ++k) lo_taps[k] = rec_lo_[k], hi_taps[k] = rec_hi_[k];
     Prefetcher prefetch = ahead != nullptr ? *ahead : Prefetcher();
     if (first >= last) return;
-    // The window's samples stay in registers from one output to the next, which reads two new
-    // ones: each sample is loaded once, not F / 2 times.
+    // The window's samples are kept from one output to the next, which reads two new ones: each
+    // sample is loaded once, not F / 2 times (in registers for short filters; long ones spill).
     __m256 window[F];
     for (int k = 0; k < F - 2; ++k) window[k] = load(x, 2 * first + offset + k);
     for (int64_t o = first; o < last; ++o) {
@@ -412,7 +411,7 @@ class Rows8 {
   // The details of one level as the synthesis reads them: detail i is d[i] * inv[i >> shift], the
   // same product, bit for bit, as a pass that scaled them in place before the synthesis, without
   // that pass's stores and loads of every detail.
-  struct Details {
+  struct ScaledDetails {
     const float* d;
     const float* inv;
     int shift;
@@ -421,7 +420,7 @@ class Rows8 {
 
   // One synthesis level from len coefficients each: pairs [0, count), out[2m], out[2m + 1] =
   // sum_q dec_lo[j] a[m + q] + dec_hi[j] d[m + q], j = phase + 2q - e (row::synthesize).
-  void idwt_level(const float* a, const Details& d, int64_t len, int64_t count, float* out,
+  void idwt_level(const float* a, const ScaledDetails& d, int64_t len, int64_t count, float* out,
                   Prefetcher* ahead) const {
     const bool periodic = f_.mode == BoundaryMode::periodization;
     const int phase = periodic ? f_.taps / 2 : 1;
@@ -461,9 +460,9 @@ class Rows8 {
   }
 
   // Interior pairs [first, last): every m + q inside the level. The scaled details of a window
-  // (q_lo..q_hi) stay in registers from one pair to the next, so each is computed once.
+  // (q_lo..q_hi) are kept from one pair to the next, so each is computed once.
   template <int F, bool Periodic>
-  void idwt_interior(const float* a, const Details& details, int64_t first, int64_t last,
+  void idwt_interior(const float* a, const ScaledDetails& details, int64_t first, int64_t last,
                      float* out, Prefetcher* ahead) const {
     constexpr int phase = Periodic ? F / 2 : 1;
     constexpr int q_lo = Periodic ? -((F / 2 + 1) / 2) : 0;
