@@ -139,10 +139,6 @@ struct Scratch {
 // own arithmetic). Lines are requested while the filters run, into L2 (T1: L1 holds the scratch).
 class Prefetcher {
  public:
-  Prefetcher() = default;
-  Prefetcher(const void* first_row, int64_t row_bytes, int64_t stride_bytes, int rows) {
-    then(first_row, row_bytes, stride_bytes, rows);
-  }
   // Another region, prefetched once the earlier ones are (at most k_regions in all).
   Prefetcher& then(const void* first_row, int64_t row_bytes, int64_t stride_bytes, int rows) {
     if (first_row != nullptr && rows > 0 && row_bytes > 0) {
@@ -205,7 +201,8 @@ class Rows8 {
   // l. next: first row of the group that follows on this thread (-1: none); its gradient and
   // moments are prefetched while this group's analysis and moment loop run.
   void norm_sq(int64_t r0, int64_t next, Scratch& s, double sums[8]) const {
-    Prefetcher grad_ahead = rows(static_cast<const G*>(a_.grad), next);
+    Prefetcher grad_ahead;
+    rows_of(static_cast<const G*>(a_.grad), next, grad_ahead);
     moments_of(next, grad_ahead);
     grad_ahead.pace(calls(false));
     dwt<false>(r0, s, grad_ahead);
@@ -236,11 +233,8 @@ class Rows8 {
     // the EPYC the llama60m step took 26.4 ms against 24.3-24.6 (docs/general_kernel.md).
     Prefetcher ahead;
     moments_of(r0, ahead);
-    ahead.then(static_cast<const P*>(a_.param) + r0 * a_.n, a_.n * sizeof(P), a_.n * sizeof(P),
-               8);
-    if (next >= 0)
-      ahead.then(static_cast<const G*>(a_.grad) + next * a_.n, a_.n * sizeof(G), a_.n * sizeof(G),
-                 8);
+    rows_of(static_cast<const P*>(a_.param), r0, ahead);
+    rows_of(static_cast<const G*>(a_.grad), next, ahead);
     ahead.pace(calls(true));
     dwt<true>(r0, s, ahead);
     S* m_rows = static_cast<S*>(a_.exp_avg) + r0 * f_.approx_len;
@@ -307,11 +301,12 @@ class Rows8 {
     ahead.then(static_cast<const S*>(a_.exp_avg_sq) + r0 * f_.approx_len, bytes, bytes, 1);
   }
 
+  // Rows [r0, r0 + 8) of a [rows, n] array, as a region of ahead (none for r0 < 0).
   template <typename T>
-  Prefetcher rows(const T* data, int64_t r0) const {
-    if (r0 < 0) return Prefetcher();
+  void rows_of(const T* data, int64_t r0, Prefetcher& ahead) const {
+    if (r0 < 0) return;
     const int64_t row_bytes = a_.n * static_cast<int64_t>(sizeof(T));
-    return Prefetcher(data + r0 * a_.n, row_bytes, row_bytes, 8);
+    ahead.then(data + r0 * a_.n, row_bytes, row_bytes, 8);
   }
 
   // Adam's moment update, its four constants broadcast once per loop (a local of the loop).
