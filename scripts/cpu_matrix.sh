@@ -5,7 +5,12 @@
 # (GWT_NO_AVX2=1), the one-row general kernel on every row (GWT_NO_ROWS8=1: the AVX2 build steps
 # float32 rows eight at a time otherwise), and 1 and 2 threads; gwt_gpu_check's CPU checks
 # (device against reference in every dtype) and the Python package's tests too, where
-# scripts/test.sh built and installed them. Run by .ci/run after scripts/test.sh.
+# scripts/test.sh built and installed them. Then the same tests on whole other CPUs, emulated by
+# QEMU's user mode (qemu-user, installed here on x86-64): Nehalem (SSE4.2, no AVX), Sandy Bridge
+# (AVX, no AVX2) and Haswell (AVX2, FMA, F16C). There every program in the process, LibTorch, MKL
+# and gwt's dispatch, reads that CPU's CPUID, and an AVX instruction run where the CPU has none
+# stops the test with SIGILL: what the settings above cannot show (they switch paths on a CPU that
+# has them all). About 2-3 minutes each. Run by .ci/run after scripts/test.sh.
 #
 #   ./scripts/cpu_matrix.sh [build dir] [gtest filter]
 set -uo pipefail
@@ -15,12 +20,15 @@ checks="${1:-$root/build}/benchmarks/gwt_gpu_check"
 filter="${2:-Fused.*:KernelRows.*:KernelLanes.*:WaveletAdam*.*:Transform*.*:Compression.*}"
 [[ -x "$bin" ]] || { echo "cpu_matrix: $bin not built (run ./scripts/test.sh first)" >&2; exit 2; }
 # The Python environment scripts/test.sh used and installed the package into (setup.sh finds it;
-# after scripts/test.sh it has nothing left to install).
-python=""
-if source "$root/scripts/setup.sh" && gwt_setup >/dev/null 2>&1 &&
-  [[ -n "${GWT_PYTHON:-}" ]] && "$GWT_PYTHON" -c "import gwt" >/dev/null 2>&1; then
-  python="$GWT_PYTHON"
+# after scripts/test.sh it has nothing left to install but, the first time, qemu-user).
+python="" qemu=""
+arch="$(uname -m)"
+extra_packages=()
+[[ "$arch" == x86_64 ]] && extra_packages+=(qemu-user)
+if source "$root/scripts/setup.sh" && gwt_setup "${extra_packages[@]+"${extra_packages[@]}"}" >/dev/null 2>&1; then
+  [[ -n "${GWT_PYTHON:-}" ]] && "$GWT_PYTHON" -c "import gwt" >/dev/null 2>&1 && python="$GWT_PYTHON"
 fi
+[[ "$arch" == x86_64 ]] && qemu="$(command -v qemu-x86_64 || true)"
 settings=(
   "MKL_CBWR=COMPATIBLE" "MKL_CBWR=AVX2" "MKL_CBWR=AVX512"
   "ATEN_CPU_CAPABILITY=default" "ATEN_CPU_CAPABILITY=avx2" "GWT_NO_AVX2=1" "GWT_NO_ROWS8=1"
@@ -54,6 +62,30 @@ for setting in "${settings[@]}"; do
   fi
   printf 'cpu_matrix: %-28s %-6s %s tests%s, %ds\n' "$setting" "$verdict" "${tests:-?}" "$extra" \
     $((SECONDS - start))
+done
+# Other CPUs (x86-64 only): the gtest filter's tests, without gwt_gpu_check and pytest (a Python
+# that imports torch under emulation takes minutes). A test that skips for want of AVX2 there
+# (the eight-row body's) says so; the count of skips is printed.
+if [[ "$arch" == x86_64 && -z "$qemu" ]]; then
+  failed=$((failed + 1)); failures+=("qemu-x86_64 (not installed)")
+  echo "cpu_matrix: qemu-x86_64 not found (Debian's qemu-user): the other CPUs did not run"
+fi
+for cpu in ${qemu:+Nehalem SandyBridge Haswell-noTSX}; do
+  start=$SECONDS
+  ok=1
+  out=$("$qemu" -cpu "$cpu" "$bin" --gtest_filter="$filter" --gtest_brief=1 2>&1 |
+    grep -v "^qemu-x86_64: warning: TCG doesn't support") || ok=0
+  tests=$(printf '%s\n' "$out" | sed -n 's/^\[==========\] \([0-9]*\) tests.*ran.*/\1/p' | tail -1)
+  skipped=$(printf '%s\n' "$out" | sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' | tail -1)
+  grep -q '^\[  PASSED  \]' <<<"$out" || ok=0
+  if [[ $ok -eq 1 ]]; then
+    passed=$((passed + 1)); verdict=ok
+  else
+    failed=$((failed + 1)); verdict=FAILED; failures+=("qemu -cpu $cpu")
+    printf '%s\n' "$out" | grep -vE '^\[       OK|^\[ RUN' | tail -40
+  fi
+  printf 'cpu_matrix: %-28s %-6s %s tests (%s skipped), %ds\n' "qemu -cpu $cpu" "$verdict" \
+    "${tests:-?}" "${skipped:-0}" $((SECONDS - start))
 done
 [[ $failed -eq 0 ]] || echo "cpu_matrix: failed under ${failures[*]}"
 echo "cpu_matrix: $passed passed, $failed failed"

@@ -1,5 +1,9 @@
-// The fused Haar body and the dense loop compiled with -mavx2 -mfma (see CMakeLists.txt); called
-// only after the CPU reported both.
+// The fused Haar body and the dense loop compiled for AVX2 and FMA (avx2_target.h); called only
+// after the CPU reported both.
+
+#include "avx2_target.h"
+
+GWT_AVX2_BEGIN
 
 #define GWT_KERNEL_NS avx2
 #include "dense_adam_cpu_impl.h"
@@ -23,3 +27,5 @@ void dense_adam_update_entry(const DenseAdamArgs& args) {
 }  // namespace avx2
 }  // namespace kernels
 }  // namespace gwt
+
+GWT_AVX2_END

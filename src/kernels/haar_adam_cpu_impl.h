@@ -1,6 +1,6 @@
 // Body of the fused Haar WaveletAdam passes on the CPU (see include/gwt/kernels.h for the rule).
 //
-// Included by haar_adam_cpu.cpp (baseline ISA) and haar_adam_cpu_avx2.cpp (-mavx2 -mfma), each
+// Included by haar_adam_cpu.cpp (baseline ISA) and haar_adam_cpu_avx2.cpp (AVX2 and FMA), each
 // with its own GWT_KERNEL_NS so the two instantiations never share a symbol; the entry points pick
 // one at run time. The loops are written so the compiler vectorises them: a tile of one row at a
 // time, block sums, then per-coefficient math, then per-element updates.

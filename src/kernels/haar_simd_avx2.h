@@ -7,7 +7,7 @@
 // Compiled only into the AVX2 build of the body (haar_adam_cpu_avx2.cpp); the baseline build and
 // every other type keep the plain loops of haar_adam_cpu_impl.h, which the tests compare against.
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(GWT_AVX2_BODY)  // avx2_target.h
 #define GWT_HAAR_SIMD 1
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>

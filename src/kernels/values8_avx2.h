@@ -3,8 +3,8 @@
 // 8 consecutive values of float, c10::BFloat16 or c10::Half as floats in an AVX2 register, and
 // back: the typed loads and stores of the AVX2 kernels (haar_simd_avx2.h, wavelet_rows8_avx2.h).
 // bfloat16 goes through bf16_avx2.h, float16 through f16_avx2.h: widened exactly, rounded as
-// c10::BFloat16(float) and c10::Half(float) round, bit for bit. Only for translation units
-// compiled with -mavx2.
+// c10::BFloat16(float) and c10::Half(float) round, bit for bit. Only for the AVX2 builds
+// (avx2_target.h).
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

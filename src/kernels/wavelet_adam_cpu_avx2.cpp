@@ -1,5 +1,9 @@
-// The general fused body compiled with -mavx2 -mfma (see CMakeLists.txt); called only after the
-// CPU reported both.
+// The general fused body compiled for AVX2 and FMA (avx2_target.h); called only after the CPU
+// reported both.
+
+#include "avx2_target.h"
+
+GWT_AVX2_BEGIN
 
 #define GWT_KERNEL_NS avx2
 #include "wavelet_adam_cpu_impl.h"
@@ -16,3 +20,5 @@ void wavelet_adam_update_entry(const WaveletAdamArgs& args, double lim) {
 }  // namespace avx2
 }  // namespace kernels
 }  // namespace gwt
+
+GWT_AVX2_END

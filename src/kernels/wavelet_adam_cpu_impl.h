@@ -1,6 +1,6 @@
 // Body of the general fused WaveletAdam passes on the CPU: any filter, zero / periodization /
 // symmetric. Included by wavelet_adam_cpu.cpp (baseline ISA) and wavelet_adam_cpu_avx2.cpp
-// (-mavx2 -mfma), each with its own GWT_KERNEL_NS.
+// (AVX2 and FMA, avx2_target.h), each with its own GWT_KERNEL_NS.
 //
 // Per row: the DWT cascade writes every level's coefficients into a scratch row (each pass); the
 // update pass normalises them in place and runs the IDWT cascade into a per-thread scratch row.
@@ -25,7 +25,7 @@
 
 // The AVX2 build steps float32 or bfloat16 rows eight at a time, one per lane
 // (wavelet_rows8_avx2.h).
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(GWT_AVX2_BODY)  // avx2_target.h
 #define GWT_WAVELET_ROWS8 1
 #include "wavelet_rows8_avx2.h"
 #endif
