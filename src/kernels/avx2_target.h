@@ -11,15 +11,16 @@
 // CPU without AVX2 too, after the dispatch chose the baseline body, or a user's own code. An
 // optimised build inlines most of them (two were left, std::vector<float>::resize and
 // std::vector<double>::resize, without AVX2 instructions as it happened); a -O0 build (Debug,
-// coverage) left c10's float16 conversions, std::isnan(float) and std::fill's loops out of line,
-// with AVX instructions in them (gwt's link order kept the baseline copies, by luck).
+// coverage) left 38 copies out of line with AVX instructions in them (c10's float16 and bfloat16
+// conversions, std::sqrt(float), std::isnan(float), std::fill's loops). In the coverage build's
+// test binary the linker had kept the baseline copies; nothing made it so.
 //
 // So each AVX2 file includes this header first. It includes every outside header the bodies use,
 // compiled for the baseline instruction set; GWT_AVX2_BEGIN / GWT_AVX2_END then enclose gwt's own
 // headers and code, whose functions all have internal linkage or live in namespace
 // gwt::kernels::avx2, which no other file defines. Functions of the outside headers called there
 // are still inlined where the compiler chooses (a baseline function may be inlined into an AVX2
-// one), and an out-of-line copy of one is the baseline's. tests/isa_check.sh checks the objects,
+// one), and an out-of-line copy of one is the baseline's. tests/isa_check.py checks the objects,
 // recompiled without optimisation too, so that a header added inside the region is caught.
 
 #include <ATen/Parallel.h>

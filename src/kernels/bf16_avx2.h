@@ -1,9 +1,9 @@
 #pragma once
 
 // bfloat16 <-> float for 8 values in an AVX2 register, bit-identical to c10::BFloat16's own
-// conversions. Only for AVX2 code (the kernels' AVX2 builds, between avx2_target.h's
-// GWT_AVX2_BEGIN and GWT_AVX2_END, and tests/bf16_avx2_probe.cpp, compiled with -mavx2, which checks them against c10 for every bfloat16 and a wide sample
-// of floats). Raw bits in and out, no c10 type: the probe includes nothing it shares with other
+// conversions. Only for AVX2 code: the kernels' AVX2 builds (between avx2_target.h's
+// GWT_AVX2_BEGIN and GWT_AVX2_END), and tests/bf16_avx2_probe.cpp (compiled with -mavx2), which
+// checks them against c10 for every bfloat16 and a wide sample of floats. Raw bits in and out, no c10 type: the probe includes nothing it shares with other
 // translation units.
 
 #include <immintrin.h>

@@ -1,8 +1,8 @@
 // Body of the dense Adam loop on the CPU (include/gwt/kernels.h, DenseAdamArgs, for the rule).
 //
 // Included after haar_adam_cpu_impl.h by haar_adam_cpu.cpp (baseline ISA) and
-// haar_adam_cpu_avx2.cpp (AVX2 and FMA, avx2_target.h), each with its own GWT_KERNEL_NS. The AVX2 build steps 8
-// floats (4 doubles) per register; its products are kept out of fused multiply-adds (GCC contracts
+// haar_adam_cpu_avx2.cpp (AVX2 and FMA, avx2_target.h), each with its own GWT_KERNEL_NS. The AVX2
+// build steps 8 floats (4 doubles) per register; its products are kept out of fused multiply-adds (GCC contracts
 // a multiply and an add of intrinsics as it does scalar ones), so both builds round every
 // operation alike and give the same bits. The last n % 8 values go through the same register
 // code from a padded copy.

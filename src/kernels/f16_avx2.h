@@ -11,9 +11,9 @@
 // changes; DAZ and FTZ change neither); they differ from c10 in one place, a NaN, which F16C
 // narrows with its payload truncated and c10 to 0x7E00 with its sign: store8 hands F16C c10's NaN
 // instead.
-// Only for AVX2 code (the kernels' AVX2 builds, avx2_target.h, and
-// tests/bf16_avx2_probe.cpp, compiled with -mavx2, which checks them against c10 for every float16 and a wide sample of
-// floats). Raw bits in and out, no c10 type, as bf16_avx2.h.
+// Only for AVX2 code: the kernels' AVX2 builds (avx2_target.h), and tests/bf16_avx2_probe.cpp
+// (compiled with -mavx2), which checks them against c10 for every float16 and a wide sample of
+// floats. Raw bits in and out, no c10 type, as bf16_avx2.h.
 
 #include <immintrin.h>
 
