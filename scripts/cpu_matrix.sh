@@ -36,11 +36,22 @@ settings=(
   "OMP_NUM_THREADS=1" "OMP_NUM_THREADS=2"
 )
 passed=0 failed=0 failures=()
+# The gtest summary's count of tests ran, from $out.
+tests_ran() { printf '%s\n' "$out" | sed -n 's/^\[==========\] \([0-9]*\) tests.*ran.*/\1/p' | tail -1; }
+# Counts one lane ($1, its name) as passed or failed by $ok, printing $out's failures.
+tally() {
+  if [[ $ok -eq 1 ]]; then
+    passed=$((passed + 1)); verdict=ok
+  else
+    failed=$((failed + 1)); verdict=FAILED; failures+=("$1")
+    printf '%s\n' "$out" | grep -vE '^\[       OK|^\[ RUN' | tail -40
+  fi
+}
 for setting in "${settings[@]}"; do
   start=$SECONDS
   ok=1
   out=$(env "$setting" "$bin" --gtest_filter="$filter" --gtest_brief=1 2>&1) || ok=0
-  tests=$(printf '%s\n' "$out" | sed -n 's/^\[==========\] \([0-9]*\) tests.*ran.*/\1/p' | tail -1)
+  tests=$(tests_ran)
   extra=""
   if [[ -x "$checks" ]]; then
     extra=" + gwt_gpu_check"
@@ -55,12 +66,7 @@ for setting in "${settings[@]}"; do
       ok=0 out="$out"$'\n'"$(tail -30 <<<"$py_out")"
     fi
   fi
-  if [[ $ok -eq 1 ]]; then
-    passed=$((passed + 1)); verdict=ok
-  else
-    failed=$((failed + 1)); verdict=FAILED; failures+=("$setting")
-    printf '%s\n' "$out" | grep -vE '^\[       OK|^\[ RUN' | tail -40
-  fi
+  tally "$setting"
   printf 'cpu_matrix: %-28s %-6s %s tests%s, %ds\n' "$setting" "$verdict" "${tests:-?}" "$extra" \
     $((SECONDS - start))
 done
@@ -80,18 +86,13 @@ for cpu in ${qemu:+Nehalem SandyBridge Haswell-noTSX}; do
   ok=1
   out=$(timeout 900 "$qemu" -cpu "$cpu" "$bin" --gtest_filter="$filter" --gtest_brief=1 2>&1 |
     grep -v "^qemu-x86_64: warning: TCG doesn't support") || ok=0
-  tests=$(printf '%s\n' "$out" | sed -n 's/^\[==========\] \([0-9]*\) tests.*ran.*/\1/p' | tail -1)
+  tests=$(tests_ran)
   skipped=$(printf '%s\n' "$out" | sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' | tail -1)
   grep -q '^\[  PASSED  \]' <<<"$out" || ok=0
   if [[ "$cpu" == Haswell* && "${skipped:-0}" != 0 ]]; then
     ok=0 out="$out"$'\n'"cpu_matrix: tests skipped on an emulated AVX2 CPU: does this QEMU emulate AVX2?"
   fi
-  if [[ $ok -eq 1 ]]; then
-    passed=$((passed + 1)); verdict=ok
-  else
-    failed=$((failed + 1)); verdict=FAILED; failures+=("qemu -cpu $cpu")
-    printf '%s\n' "$out" | grep -vE '^\[       OK|^\[ RUN' | tail -40
-  fi
+  tally "qemu -cpu $cpu"
   printf 'cpu_matrix: %-28s %-6s %s tests (%s skipped), %ds\n' "qemu -cpu $cpu" "$verdict" \
     "${tests:-?}" "${skipped:-0}" $((SECONDS - start))
 done

@@ -39,14 +39,13 @@ def run(cmd, **kw):
 
 
 def shared_functions(obj):
-    """(mangled, demangled) of the functions obj defines with global or weak binding."""
+    """The functions obj defines with global or weak binding (mangled names)."""
     out = []
     for line in run(["nm", "--defined-only", "--format=posix", obj]).splitlines():
         parts = line.split()
         if len(parts) >= 2 and parts[1] in ("T", "W", "i"):
             out.append(parts[0])
-    names = run(["c++filt"], input="\n".join(out)).splitlines() if out else []
-    return list(zip(out, names))
+    return out
 
 
 def avx_instructions(obj):
@@ -66,19 +65,17 @@ def avx_instructions(obj):
 
 
 def check(obj, label):
-    bad = []
-    functions = [(m, n) for m, n in shared_functions(obj) if not OWN.match(m)]
+    functions = [m for m in shared_functions(obj) if not OWN.match(m)]
     counts = avx_instructions(obj)
-    for mangled, name in functions:
-        n = counts.get(mangled, 0)
-        if n:
-            bad.append(f"{label}: {name} ({n} AVX instructions)")
+    offenders = [m for m in functions if counts.get(m, 0)]
+    names = run(["c++filt"], input="\n".join(offenders)).splitlines() if offenders else []
+    bad = [f"{label}: {name} ({counts[m]} AVX instructions)" for m, name in zip(offenders, names)]
     # Not a check of nothing: gwt's own functions there must hold AVX code (else the pragma did not
     # apply, the object is not machine code (LTO), or objdump's output was not understood).
     own = sum(n for symbol, n in counts.items() if OWN.match(symbol))
     if own == 0:
         bad.append(f"{label}: no AVX instruction in gwt::kernels::avx2 either: nothing was checked")
-    print(f"isa_check: {label}: {len(functions)} functions other files may share, {len(bad)} with "
+    print(f"isa_check: {label}: {len(functions)} functions other files may share, {len(offenders)} with "
           f"AVX code; {own} AVX instructions in gwt::kernels::avx2")
     return bad
 
