@@ -1,4 +1,5 @@
 #include "gwt/transform.h"
+#include "plain_tensor.h"
 
 #include <ATen/ATen.h>
 
@@ -132,6 +133,7 @@ at::Tensor from_rows(const at::Tensor& rows, const at::Tensor& like, int64_t dim
 }
 
 void check_transform_input(const at::Tensor& x) {
+  detail::check_plain_tensor("gwt: a wavelet transform", "its input", x);
   detail::transform_compute_dtype(x.scalar_type());
   TORCH_CHECK(x.layout() == at::kStrided,
               "gwt: wavelet transforms need a dense (strided) tensor, got layout ", x.layout());

@@ -18,6 +18,7 @@
 // update) moves values by at least lr * 1e-3 = 1e-5.
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -31,6 +32,9 @@
 #include <gwt/transform.h>
 #include <gwt/wavelet.h>
 
+#include "../examples/train_lm/counting_allocator.h"
+
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -85,6 +89,23 @@ Problem make_problem() {
 
 gwt::WaveletAdamOptions options() {
   return gwt::WaveletAdamOptions(1e-2).eps(1e-3).weight_decay(0.01);
+}
+
+// Scenarios named "skipparam..." skip only the parameter whose gradient is not finite.
+gwt::WaveletAdamOptions options(const std::string& kind) {
+  return kind.rfind("skipparam", 0) == 0 ? options().nonfinite("skip_param") : options();
+}
+
+// Two groups in another order than the model's (weights, then biases at level 0 with their own
+// learning rate), as paper_param_groups makes them.
+std::vector<torch::optim::OptimizerParamGroup> groups(const Problem& p) {
+  std::vector<at::Tensor> weights, biases;
+  for (size_t i = 0; i < p.params.size(); ++i)
+    (i % 2 == 0 ? weights : biases).push_back(p.params[i]);
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  out.emplace_back(weights, std::make_unique<gwt::WaveletAdamOptions>(options()));
+  out.emplace_back(biases, std::make_unique<gwt::WaveletAdamOptions>(options().lr(5e-3).level(0)));
+  return out;
 }
 
 // This rank's loss: its rows' squared error, scaled so that the average of the ranks' gradients
@@ -193,7 +214,7 @@ void scenario_train(const std::string& kind) {
   Problem p = make_problem();
   Run run;
   run.pg = pg;
-  if (kind == "nonfinite_allreduce" || kind == "nonfinite_sharded")
+  if (kind == "nonfinite_allreduce" || kind == "nonfinite_sharded" || kind == "skipparam_sharded")
     run.nan_step = 2, run.nan_rank = pg->getSize() - 1;
   int64_t skipped = 0, state = 0;
   if (kind == "allreduce" || kind == "nonfinite_allreduce") {
@@ -202,12 +223,116 @@ void scenario_train(const std::string& kind) {
     train(p, opt, run, 0, kSteps);
     skipped = opt.skipped_steps(), state = opt.state_bytes();
   } else {
-    ShardedWaveletAdam opt(pg, p.params, options());
+    ShardedWaveletAdam opt(pg, p.params, options(kind));
     train(p, opt, run, 0, kSteps);
     skipped = opt.skipped_steps(), state = opt.state_bytes();
   }
   save_values(values(p), rank_file("params", rank));
   write_text(rank_file("counts", rank), std::to_string(skipped) + " " + std::to_string(state));
+}
+
+// Bytes of the parameters `rank` owns: what its step broadcasts.
+int64_t owned_bytes(const ShardedWaveletAdam& opt, const Problem& p, int64_t rank) {
+  int64_t n = 0;
+  for (const auto& t : p.params)
+    if (opt.owner(t) == rank) n += static_cast<int64_t>(t.nbytes());
+  return n;
+}
+
+// A gradient of the wrong shape on rank 1, for a parameter rank 1 owns, at step 3: every rank
+// raises, with its parameters and state as they were; the step done again with good gradients
+// continues as one process does.
+void scenario_bad_grad() {
+  auto pg = gwt::distributed::init_from_env("gloo");
+  const int64_t rank = pg->getRank(), world = pg->getSize();
+  Problem p = make_problem();
+  Run run;
+  run.pg = pg;
+  ShardedWaveletAdam opt(pg, p.params, options());
+  train(p, opt, run, 0, 3);
+  opt.zero_grad();
+  loss(p, rank, world).backward();
+  size_t bad = 0;
+  while (p.params[bad].dim() != 2 || opt.owner(p.params[bad]) != 1) ++bad;
+  // The same number of elements, so that the averaging's buckets still match between the ranks.
+  if (rank == 1) p.params[bad].mutable_grad() = at::zeros({kWidth / 2, 2 * kWidth}, at::kDouble);
+  const std::vector<at::Tensor> before = values(p);
+  const int64_t state_before = opt.state_bytes();
+  std::string message = "no error";
+  try {
+    opt.step();
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  write_text(rank_file("error", rank), message);
+  write_text(rank_file("unchanged", rank),
+             bit_equal(values(p), before) && opt.state_bytes() == state_before ? "yes" : "no");
+  train(p, opt, run, 3, kSteps);
+  save_values(values(p), rank_file("params", rank));
+}
+
+// Several groups in another order than the gradients were averaged in, compression combined
+// with sharding: (a) every rank's WaveletAdam after all_reduce_gradients with the wavelet
+// compression, (b) ShardedWaveletAdam after the same call, which must find the gradients averaged
+// (it sends only the parameters it owns) and step as (a) does, (c) ShardedWaveletAdam averaging
+// itself, as one process steps.
+void scenario_groups() {
+  auto pg = gwt::distributed::init_from_env("gloo");
+  const int64_t rank = pg->getRank(), world = pg->getSize();
+  GradSyncOptions sync;
+  sync.compression = "wavelet";
+  Problem a = make_problem(), b = make_problem(), c = make_problem();
+  gwt::WaveletAdam opt_a(groups(a), options());
+  ShardedWaveletAdam opt_b(pg, groups(b), options());
+  ShardedWaveletAdam opt_c(pg, groups(c), options());
+  std::ostringstream sent;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    for (auto [p, opt] :
+         {std::pair<Problem*, torch::optim::Optimizer*>{&a, &opt_a}, {&b, &opt_b}}) {
+      opt->zero_grad();
+      loss(*p, rank, world).backward();
+      gwt::distributed::all_reduce_gradients(pg, p->params, sync);  // in the model's order
+      opt->step();
+    }
+    if (opt_b.last_step_bytes_sent() != owned_bytes(opt_b, b, rank))
+      sent << "step " << s << ": sent " << opt_b.last_step_bytes_sent() << " bytes, owns "
+           << owned_bytes(opt_b, b, rank) << "; ";
+  }
+  Run run;
+  run.pg = pg;
+  train(c, opt_c, run, 0, kSteps);
+  save_values(values(a), rank_file("compressed", rank));
+  save_values(values(b), rank_file("compressed_sharded", rank));
+  save_values(values(c), rank_file("params", rank));
+  write_text(rank_file("sent", rank), sent.str().empty() ? "ok" : sent.str());
+}
+
+// ZeRO's promise for full checkpoints: during save_full and load_full a rank other than 0
+// allocates at most its own shard (plus headers), not the whole state.
+void scenario_ckpt_memory() {
+  // Tensor allocations only (std::string buffers are not counted: the code under test moves
+  // state in tensors).
+  static lm::CountingAllocator counting(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  auto pg = gwt::distributed::init_from_env("gloo");
+  const int64_t rank = pg->getRank();
+  at::manual_seed(11);
+  std::vector<at::Tensor> params;
+  for (int i = 0; i < 6; ++i) params.push_back(at::randn({256, 512}).requires_grad_());
+  ShardedWaveletAdam opt(pg, params, gwt::WaveletAdamOptions(1e-3));
+  for (int s = 0; s < 2; ++s) {
+    for (auto& t : params) t.mutable_grad() = at::randn_like(t);
+    opt.step();
+  }
+  const int64_t own = opt.state_bytes();
+  std::ostringstream out;
+  int64_t base = counting.reset_peak();
+  opt.save_full(dir() + "/full.pt");
+  out << own << " " << counting.peak() - base;
+  base = counting.reset_peak();
+  opt.load_full(dir() + "/full.pt");
+  out << " " << counting.peak() - base << " " << opt.state_bytes();
+  write_text(rank_file("memory", rank), out.str());
 }
 
 void scenario_dead() {
@@ -331,6 +456,12 @@ int worker(const std::string& scenario) {
       scenario_checkpoint();
     else if (scenario == "mismatch")
       scenario_mismatch();
+    else if (scenario == "bad_grad")
+      scenario_bad_grad();
+    else if (scenario == "groups")
+      scenario_groups();
+    else if (scenario == "ckpt_memory")
+      scenario_ckpt_memory();
 #ifdef GWT_DIST_TEST_LM
     else if (scenario == "lm")
       scenario_lm();
@@ -454,10 +585,23 @@ void expect_all_zero(const std::vector<int>& codes, const std::string& what) {
     EXPECT_EQ(codes[r], 0) << what << ": rank " << r << " failed (its message is above)";
 }
 
+// Runs `scenario` on `world` ranks in a fresh directory; returns the directory, or "" when a rank
+// failed (a test failure is recorded then).
+std::string run_in_fresh_dir(const std::string& scenario, int64_t world) {
+  const std::string d = fresh_dir(scenario);
+  Spawn sp;
+  sp.scenario = scenario, sp.world = world;
+  const auto codes = spawn(sp, d);
+  expect_all_zero(codes, scenario);
+  for (const int code : codes)
+    if (code != 0) return "";
+  return d;
+}
+
 // The single-process run on the whole batch.
-std::vector<at::Tensor> single(int64_t nan_step = -1) {
+std::vector<at::Tensor> single(int64_t nan_step = -1, const std::string& kind = "") {
   Problem p = make_problem();
-  gwt::WaveletAdam opt(p.params, options());
+  gwt::WaveletAdam opt(p.params, options(kind));
   Run run;
   run.nan_step = nan_step, run.nan_rank = 0;
   train(p, opt, run, 0, kSteps);
@@ -471,8 +615,8 @@ void check_against_single(const std::string& scenario, int64_t world, bool tcp) 
   const auto codes = spawn(sp, d);
   expect_all_zero(codes, scenario);
   if (::testing::Test::HasFailure()) return;
-  const bool nonfinite = scenario.rfind("nonfinite", 0) == 0;
-  const std::vector<at::Tensor> want = single(nonfinite ? 2 : -1);
+  const bool nonfinite = scenario.rfind("nonfinite", 0) == 0 || scenario.rfind("skipparam", 0) == 0;
+  const std::vector<at::Tensor> want = single(nonfinite ? 2 : -1, scenario);
   Problem p = make_problem();
   gwt::WaveletAdam whole(p.params, options());
   const std::vector<at::Tensor> first = load_values(d, rank_file("params", 0));
@@ -525,6 +669,74 @@ TEST(Distributed, ShardedThreeRanksMatchesOneProcess) {
 TEST(Distributed, NonFiniteGradientOnOneRankSkipsEveryRank) {
   check_against_single("nonfinite_allreduce", 2, false);
   check_against_single("nonfinite_sharded", 3, false);
+}
+
+// nonfinite("skip_param") is honoured: the parameter with the NaN keeps its value and state on its
+// owner, the others step (a whole-step skip would differ from one process by every other update).
+TEST(Distributed, ShardedSkipParamSkipsOnlyThatParameter) {
+  check_against_single("skipparam_sharded", 3, false);
+}
+
+TEST(Distributed, ShardedErrorOnOneRankChangesNothingOnAnyRank) {
+  const std::string d = run_in_fresh_dir("bad_grad", 2);
+  if (d.empty()) return;
+  const std::vector<at::Tensor> want = single();
+  for (int64_t r = 0; r < 2; ++r) {
+    const std::string message = read_text(d, rank_file("error", r));
+    EXPECT_NE(message.find(r == 1 ? "of shape [16, 64] belongs to a parameter of shape [32, 32]"
+                                  : "failed on rank 1"),
+              std::string::npos)
+        << "rank " << r << ": " << message;
+    EXPECT_EQ(read_text(d, rank_file("unchanged", r)), "yes")
+        << "rank " << r << " changed its parameters or state in the step that raised";
+    EXPECT_LT(max_diff(load_values(d, rank_file("params", r)), want), 1e-9)
+        << "rank " << r << ": the good steps after the error vs one process";
+  }
+  fs::remove_all(d);
+}
+
+TEST(Distributed, AveragedGradientsInAnotherOrderAreNotAveragedAgain) {
+  const std::string d = run_in_fresh_dir("groups", 2);
+  if (d.empty()) return;
+  std::vector<at::Tensor> want;
+  {
+    Problem p = make_problem();
+    gwt::WaveletAdam opt(groups(p), options());
+    train(p, opt, ::Run{}, 0, kSteps);
+    want = values(p);
+  }
+  const auto first = load_values(d, rank_file("compressed", 0));
+  for (int64_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(read_text(d, rank_file("sent", r)), "ok")
+        << "rank " << r << " all-reduced gradients that all_reduce_gradients had averaged";
+    // The same averaged gradients, the same update per parameter: the same bits.
+    EXPECT_TRUE(bit_equal(load_values(d, rank_file("compressed_sharded", r)),
+                          load_values(d, rank_file("compressed", r))))
+        << "rank " << r << ": sharded after the compressed all-reduce vs WaveletAdam after it";
+    EXPECT_LT(max_diff(load_values(d, rank_file("compressed", r)), first), 1e-12);
+    EXPECT_LT(max_diff(load_values(d, rank_file("params", r)), want), 1e-9)
+        << "rank " << r << ": sharded with two groups vs one process";
+  }
+  fs::remove_all(d);
+}
+
+TEST(Distributed, FullCheckpointsHoldNoMoreThanTheOwnShardOffRankZero) {
+  const std::string d = run_in_fresh_dir("ckpt_memory", 2);
+  if (d.empty()) return;
+  std::istringstream in(read_text(d, rank_file("memory", 1)));
+  int64_t own = -1, save_peak = -1, load_peak = -1, own_after = -1;
+  in >> own >> save_peak >> load_peak >> own_after;
+  std::cout << "rank 1 owns " << own << " state bytes; extra at the peak: save_full " << save_peak
+            << ", load_full " << load_peak << "\n";
+  // Rank 1's shard is half the state (768 KiB of 1.5 MiB; before this bound, save_full gathered
+  // every shard to every rank and load_full held the whole checkpoint twice). Beyond the shard:
+  // the headers (8 int64 per parameter) and the options archive, a few KiB. 64 KiB holds them
+  // with room, and lies far below the other shard a rank must never hold.
+  EXPECT_GT(own, 0);
+  EXPECT_LE(save_peak, own + 65536) << "save_full on rank 1";
+  EXPECT_LE(load_peak, own + 65536) << "load_full on rank 1";
+  EXPECT_EQ(own_after, own) << "load_full restored rank 1's shard";
+  fs::remove_all(d);
 }
 
 TEST(Distributed, DeadRankIsAnErrorWithinTheTimeout) {

@@ -681,4 +681,52 @@ TEST(Errors, MismatchedGradientShapeIsRejected) {
   f.expect_unchanged();
 }
 
+// A tensor whose elements the kernels cannot address (issue 38: FSDP2's DTensor parameters made
+// the step write through a wrapper's data_ptr() and crash): a wrapper subclass without storage, a
+// tensor without storage, a meta tensor. Each is an error naming it at every entry point, before
+// anything changes.
+at::Tensor without_storage(bool subclass) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::Make<float>(),
+      c10::Device(c10::kCPU));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous({8, 32});
+  // What a Python __torch_dispatch__ subclass (DTensor) carries.
+  if (subclass) t.unsafeGetTensorImpl()->set_python_dispatch(true);
+  return t;
+}
+
+TEST(Errors, TensorsWithoutStorageOrOnMetaAreRejectedEverywhere) {
+  const std::vector<std::pair<at::Tensor, std::string>> bad = {
+      {without_storage(true), "tensor subclass"},
+      {without_storage(false), "no storage"},
+      {at::empty({8, 32}, at::TensorOptions(at::kFloat).device(at::kMeta)), "is on meta"}};
+  for (const auto& [t, words] : bad) {
+    SCOPED_TRACE(words);
+    expect_error([&] { WaveletAdam(std::vector<at::Tensor>{t}); }, {"gwt::WaveletAdam", words});
+    expect_error([&] { gwt::GaLoreAdam(std::vector<at::Tensor>{t}); }, {"GaLoreAdam", words});
+    expect_error([&] { gwt::wavedec(t, gwt::Wavelet("haar"), 1); }, {"transform", words});
+    expect_error([&] { gwt::dwt(t, gwt::Wavelet("db2")); }, {"transform", words});
+    expect_error([&] { gwt::wavedec2(t, gwt::Wavelet("haar"), 1); }, {"transform", words});
+    // As a gradient of a good parameter: caught at step, nothing changed.
+    Fixture f;
+    f.b.mutable_grad() = at::randn({8}, at::kDouble);
+    f.w.mutable_grad() = t;
+    expect_error([&] { f.opt.step(); }, {"gradient", words});
+    f.expect_unchanged();
+  }
+}
+
+TEST(Errors, CheckStepThrowsWhatStepWouldAndChangesNothing) {
+  Fixture f;
+  f.w.mutable_grad() = at::randn({8, 32}, at::kDouble);
+  f.b.mutable_grad() = at::randn({8}, at::kDouble);
+  f.opt.check_step();  // good gradients: no error
+  f.expect_unchanged();
+  f.b.mutable_grad().set_(at::randn({9}, at::kDouble));
+  expect_error([&] { f.opt.check_step(); }, {"gradient shape"});
+  f.expect_unchanged();
+  expect_error([&] { f.opt.step(); }, {"gradient shape"});
+  f.expect_unchanged();
+}
+
 }  // namespace

@@ -92,8 +92,12 @@ void reset_error_feedback();
 /// single-process WaveletAdam makes from the same averaged gradient.
 ///
 /// step() averages the gradients itself unless all_reduce_gradients already did since they last
-/// changed (tracked by the gradients' version counters; the decision is made collectively). A
-/// non-finite averaged gradient skips the step on every rank, as on one process.
+/// changed (tracked by the gradients' identities and version counters, in any parameter order; the
+/// decision is made collectively). A non-finite averaged gradient skips the step on every rank in
+/// a "skip_step" group, and only its parameter in a "skip_param" group, as on one process. Every
+/// error a caller can cause (a gradient of the wrong shape on one rank, options that differ
+/// between the ranks, ...) is agreed on before any rank writes: every rank raises, and every
+/// rank's parameters and state are as they were.
 class ShardedWaveletAdam : public torch::optim::Optimizer {
  public:
   ShardedWaveletAdam(c10::intrusive_ptr<c10d::Backend> pg,
@@ -105,19 +109,22 @@ class ShardedWaveletAdam : public torch::optim::Optimizer {
 
   at::Tensor step(LossClosure closure = nullptr) override;
 
-  /// This rank's shard (format "gwt.ShardedWaveletAdam.v1": rank, world size, the local
-  /// WaveletAdam's checkpoint). Loading checks rank and world size.
+  /// This rank's shard (format "gwt.ShardedWaveletAdam.v1": rank, world size, every group's
+  /// options, the local WaveletAdam's checkpoint). Loading checks rank and world size.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
   /// torch::save/torch::load of this rank's shard to `path` + ".rank-" + rank.
   void save_shard(const std::string& path) const;
   void load_shard(const std::string& path);
-  /// Collective: rank 0 gathers every shard and writes a checkpoint that a single-process
-  /// gwt::WaveletAdam over the same parameter groups loads with torch::load (with this run's
-  /// skipped_steps()).
+  /// Collective: rank 0 receives every parameter's state from its owner, one parameter at a time,
+  /// and writes a checkpoint that a single-process gwt::WaveletAdam over the same parameter groups
+  /// loads with torch::load (with this run's skipped_steps()). Only rank 0 holds more than its own
+  /// shard; the others send their state from where it lives, without copies.
   void save_full(const std::string& path) const;
-  /// Collective: rank 0 reads a single-process WaveletAdam checkpoint (or one save_full wrote) and
-  /// sends it to every rank, which keeps the state of the parameters it owns.
+  /// Collective: rank 0 reads and checks a single-process WaveletAdam checkpoint (or one
+  /// save_full wrote) and sends each rank the groups' options and the state of the parameters it
+  /// owns, one parameter at a time: only rank 0 holds the whole checkpoint. Nothing changes on any
+  /// rank unless every rank received its part.
   void load_full(const std::string& path);
 
   /// Bytes of optimizer state on this rank.

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <mutex>
@@ -25,6 +26,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "../plain_tensor.h"
 #include "gwt/distributed.h"
 #include "gwt/transform.h"
 #include "gwt/wavelet.h"
@@ -107,31 +109,79 @@ std::vector<at::Tensor> allgather(const c10::intrusive_ptr<c10d::Backend>& pg, c
   return outputs[0];
 }
 
+Agreed agree(const c10::intrusive_ptr<c10d::Backend>& pg, const std::vector<int64_t>& flags,
+             const std::vector<int64_t>& same, const std::string& what) {
+  // max(flags), and max(v) and max(-v) of the values that must agree: equal everywhere exactly
+  // when max(v) == -max(-v).
+  const auto f = static_cast<int64_t>(flags.size()), n = static_cast<int64_t>(same.size());
+  at::Tensor t = at::empty({f + 2 * n}, at::kLong);
+  int64_t* v = t.data_ptr<int64_t>();
+  for (const auto i : c10::irange(f)) v[i] = flags[i];
+  for (const auto i : c10::irange(n)) {
+    TORCH_INTERNAL_ASSERT(same[i] != std::numeric_limits<int64_t>::min());
+    v[f + i] = same[i], v[f + n + i] = -same[i];
+  }
+  at::Tensor on = t.to(comm_device(*pg));
+  allreduce(pg, on, c10d::ReduceOp::MAX, what);
+  const at::Tensor r = on.cpu().contiguous();
+  const int64_t* m = r.data_ptr<int64_t>();
+  Agreed out;
+  out.max.assign(m, m + f);
+  for (const auto i : c10::irange(n)) out.same = out.same && m[f + i] == -m[f + n + i];
+  return out;
+}
+
 bool any(const c10::intrusive_ptr<c10d::Backend>& pg, bool flag, const std::string& what) {
-  at::Tensor t = at::full({1}, flag ? 1 : 0, at::TensorOptions(at::kLong).device(comm_device(*pg)));
-  allreduce(pg, t, c10d::ReduceOp::MAX, what);
-  return t.cpu().item<int64_t>() != 0;
+  return agree(pg, {flag ? 1 : 0}, {}, what).max[0] != 0;
+}
+
+void fail_differ(const c10d::Backend& pg, const std::string& op, const std::string& differs) {
+  TORCH_CHECK(false, "gwt::distributed::", op, ": ", differs, " differ between the ranks (seen on ",
+              where(pg),
+              "); every rank must pass the same parameters, in the same order and shapes, with "
+              "gradients defined for the same ones, and the same options");
 }
 
 void check_same(const c10::intrusive_ptr<c10d::Backend>& pg, const std::vector<int64_t>& values,
                 const std::string& op, const std::string& differs) {
-  // max(v) and max(-v) over the ranks: equal everywhere exactly when max(v) == -max(-v).
-  const auto n = static_cast<int64_t>(values.size());
-  at::Tensor t = at::empty({2 * n}, at::kLong);
-  for (const auto i : c10::irange(n)) {
-    TORCH_INTERNAL_ASSERT(values[i] != std::numeric_limits<int64_t>::min());
-    t[i] = values[i], t[n + i] = -values[i];
+  if (!agree(pg, {}, values, op).same) fail_differ(*pg, op, differs);
+}
+
+std::string capture(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
   }
-  at::Tensor on = t.to(comm_device(*pg));
-  allreduce(pg, on, c10d::ReduceOp::MAX, op);
-  const at::Tensor r = on.cpu();
-  bool same = true;
-  for (const auto i : c10::irange(n))
-    same = same && r[i].item<int64_t>() == -r[n + i].item<int64_t>();
-  TORCH_CHECK(same, "gwt::distributed::", op, ": ", differs, " differ between the ranks (seen on ",
-              where(*pg),
-              "); every rank must pass the same parameters, in the same order and shapes, with "
-              "gradients defined for the same ones");
+  return {};
+}
+
+int64_t failure_flag(const c10d::Backend& pg, const std::string& error) {
+  return error.empty() ? 0 : pg.getRank() + 1;
+}
+
+void throw_if_failed(const c10d::Backend& pg, int64_t flag, const std::string& error,
+                     const std::string& what) {
+  if (flag == 0) return;
+  TORCH_CHECK(error.empty(), error);
+  TORCH_CHECK(false, "gwt::distributed::", what, ": failed on rank ", flag - 1, " (", where(pg),
+              " is stopping with it; that rank's message says why)");
+}
+
+void send(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64_t dst, int tag,
+          const std::string& what) {
+  std::vector<at::Tensor> tensors{t};
+  run(pg, what, [&] { return pg->send(tensors, static_cast<int>(dst), tag); });
+}
+
+void recv(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64_t src, int tag,
+          const std::string& what) {
+  std::vector<at::Tensor> tensors{t};
+  run(pg, what, [&] { return pg->recv(tensors, static_cast<int>(src), tag); });
 }
 
 int64_t shape_digest(const std::vector<at::Tensor>& tensors, bool with_grads) {
@@ -188,7 +238,9 @@ struct Synced {
 struct Memory {
   std::mutex mutex;
   std::unordered_map<const void*, Residual> residuals;
-  std::vector<Synced> synced;  // the gradients the last call wrote, in parameter order
+  // The gradients the last call wrote, by their TensorImpl: an optimizer asks in its own order
+  // (its groups'), which need not be the order the caller averaged them in.
+  std::unordered_map<const void*, Synced> synced;
   GradSyncStats stats;
 };
 
@@ -202,16 +254,18 @@ Memory& memory() {
 bool gradients_already_averaged(const std::vector<at::Tensor>& params) {
   Memory& m = memory();
   std::lock_guard<std::mutex> lock(m.mutex);
-  size_t k = 0;
+  bool any_grad = false;
   for (const auto& p : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
-    if (k >= m.synced.size()) return false;
-    const Synced& s = m.synced[k++];
-    auto held = s.grad.lock();
-    if (!held || held.get() != g.unsafeGetTensorImpl() || g._version() != s.version) return false;
+    any_grad = true;
+    const auto it = m.synced.find(g.unsafeGetTensorImpl());
+    if (it == m.synced.end()) return false;
+    auto held = it->second.grad.lock();
+    if (!held || held.get() != g.unsafeGetTensorImpl() || g._version() != it->second.version)
+      return false;
   }
-  return k == m.synced.size() && k > 0;
+  return any_grad;
 }
 
 }  // namespace detail
@@ -424,22 +478,39 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
                           const std::vector<at::Tensor>& params, GradSyncOptions options) {
   const char* who = "gwt::distributed::all_reduce_gradients";
   TORCH_CHECK(pg, who, ": the process group is null");
-  check_sync_options(options);
+  // A problem found on one rank is agreed on before any collective that moves data, so that
+  // every rank raises (none waits for a peer that gave up) and no gradient has changed.
   std::vector<at::Tensor> grads;
-  for (const auto& p : params) {
-    TORCH_CHECK(p.defined(), who, ": got an undefined parameter tensor");
-    const at::Tensor& g = p.grad();
-    if (!g.defined()) continue;
-    TORCH_CHECK(g.layout() == at::kStrided, who, ": sparse gradients are not supported");
-    TORCH_CHECK(g.is_floating_point(), who, ": a gradient has dtype ", g.scalar_type(),
-                "; only floating-point gradients can be averaged");
-    grads.push_back(g);
-  }
+  int64_t digest = 0;
+  const std::string error = detail::capture([&] {
+    check_sync_options(options);
+    for (const auto& p : params) {
+      TORCH_CHECK(p.defined(), who, ": got an undefined parameter tensor");
+      gwt::detail::check_plain_tensor(who, "a parameter", p);
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      gwt::detail::check_plain_tensor(who, "a gradient", g);
+      TORCH_CHECK(g.is_floating_point(), who, ": a gradient has dtype ", g.scalar_type(),
+                  "; only floating-point gradients can be averaged");
+      TORCH_CHECK(g.sizes() == p.sizes(), who, ": a gradient of shape ", g.sizes(),
+                  " belongs to a parameter of shape ", p.sizes(), "; they must match");
+      grads.push_back(g);
+    }
+    digest = detail::shape_digest(params, true);
+  });
   const bool wavelet = options.compression == "wavelet";
-  detail::check_same(pg,
-                     {static_cast<int64_t>(params.size()), detail::shape_digest(params, true),
-                      wavelet ? options.level : 0},
-                     "all_reduce_gradients", "the parameters, their gradients or the compression");
+  int64_t bucket_bits = 0;
+  std::memcpy(&bucket_bits, &options.bucket_mb, sizeof bucket_bits);
+  const detail::Agreed agreed =
+      detail::agree(pg, {detail::failure_flag(*pg, error)},
+                    {static_cast<int64_t>(params.size()), digest, wavelet ? options.level : 0,
+                     wavelet && options.error_feedback ? 1 : 0, bucket_bits & 0x7fffffffffffffff},
+                    "all_reduce_gradients");
+  detail::throw_if_failed(*pg, agreed.max[0], error, "all_reduce_gradients");
+  if (!agreed.same)
+    detail::fail_differ(*pg, "all_reduce_gradients",
+                        "the parameters, their gradients or the options (compression, level, "
+                        "error_feedback, bucket_mb)");
   const int64_t world = pg->getSize();
   detail::Memory& m = detail::memory();
 
@@ -572,8 +643,10 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
     } else {
       g.copy_(payload[k]);
     }
-    m.synced.push_back({c10::weak_intrusive_ptr<c10::TensorImpl>(g.getIntrusivePtr()),
-                        static_cast<int64_t>(g._version())});
+    m.synced.insert_or_assign(
+        g.unsafeGetTensorImpl(),
+        detail::Synced{c10::weak_intrusive_ptr<c10::TensorImpl>(g.getIntrusivePtr()),
+                       static_cast<int64_t>(g._version())});
     ++stats.tensors;
     ++k;
   }
@@ -601,7 +674,7 @@ void broadcast_parameters(const c10::intrusive_ptr<c10d::Backend>& pg,
   TORCH_CHECK(pg, who, ": the process group is null");
   TORCH_CHECK(root >= 0 && root < pg->getSize(), who, ": root ", root, " is not a rank (0 to ",
               pg->getSize() - 1, ")");
-  for (const auto& p : params) TORCH_CHECK(p.defined(), who, ": got an undefined parameter");
+  for (const auto& p : params) gwt::detail::check_plain_tensor(who, "a parameter", p);
   detail::check_same(pg, {static_cast<int64_t>(params.size()), detail::shape_digest(params, false)},
                      "broadcast_parameters", "the parameters");
   at::NoGradGuard no_grad;

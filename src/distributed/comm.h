@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,15 @@ void broadcast(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64
 std::vector<at::Tensor> allgather(const c10::intrusive_ptr<c10d::Backend>& pg, const at::Tensor& t,
                                   const std::string& what);
 
+/// What every rank decided, from one collective: the largest of each rank's `flags`, and whether
+/// every rank passed the same `same` values.
+struct Agreed {
+  std::vector<int64_t> max;
+  bool same = true;
+};
+Agreed agree(const c10::intrusive_ptr<c10d::Backend>& pg, const std::vector<int64_t>& flags,
+             const std::vector<int64_t>& same, const std::string& what);
+
 /// The largest of every rank's flag (a collective): true when any rank passed true.
 bool any(const c10::intrusive_ptr<c10d::Backend>& pg, bool flag, const std::string& what);
 
@@ -38,6 +48,29 @@ bool any(const c10::intrusive_ptr<c10d::Backend>& pg, bool flag, const std::stri
 /// on every rank otherwise, saying that `differs` differ.
 void check_same(const c10::intrusive_ptr<c10d::Backend>& pg, const std::vector<int64_t>& values,
                 const std::string& op, const std::string& differs);
+/// The message a failed check_same gives on every rank.
+[[noreturn]] void fail_differ(const c10d::Backend& pg, const std::string& op,
+                              const std::string& differs);
+
+/// Runs `f` and returns what it threw ("" when it returned): a failure on one rank is kept for a
+/// collective agreement instead of being thrown while the other ranks wait in the next
+/// collective. Every exception is caught (std::bad_alloc too), so no peer is left waiting.
+std::string capture(const std::function<void()>& f);
+
+/// A flag for agree(): 0 when `error` is empty, else this rank + 1 (so the largest names the last
+/// failing rank).
+int64_t failure_flag(const c10d::Backend& pg, const std::string& error);
+
+/// After agree(): throws on every rank when a rank failed (`flag` is the agreed failure_flag):
+/// this rank's own message where it failed, else one that names the failing rank.
+void throw_if_failed(const c10d::Backend& pg, int64_t flag, const std::string& error,
+                     const std::string& what);
+
+/// Point-to-point transfers, waited for within the group's timeout (`tag` pairs them).
+void send(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64_t dst, int tag,
+          const std::string& what);
+void recv(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64_t src, int tag,
+          const std::string& what);
 
 /// A 62-bit digest of shapes and dtypes (and whether each gradient is defined), for check_same.
 int64_t shape_digest(const std::vector<at::Tensor>& tensors, bool with_grads);
@@ -47,8 +80,9 @@ int64_t shape_digest(const std::vector<at::Tensor>& tensors, bool with_grads);
 std::vector<std::pair<size_t, size_t>> buckets(const std::vector<at::Tensor>& tensors,
                                                int64_t max_bytes);
 
-/// Whether the gradients of `params` are exactly the ones the last all_reduce_gradients call of
-/// this process wrote, unchanged since (same tensors, same version counters).
+/// Whether every defined gradient of `params` is one the last all_reduce_gradients call of this
+/// process wrote, unchanged since (same tensor, same version counter), in whatever order the
+/// parameters come; false when none is defined.
 bool gradients_already_averaged(const std::vector<at::Tensor>& params);
 
 }  // namespace detail

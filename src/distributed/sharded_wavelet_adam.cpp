@@ -52,6 +52,87 @@ int64_t estimated_state_bytes(const at::Tensor& p, const WaveletAdamOptions& o, 
   return 2 * n * elem;
 }
 
+// A digest of every group's options, for the ranks to check that they agree (a scheduler or an
+// option changed on one rank only would make the shards step with different rules).
+int64_t options_digest(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a
+  auto bytes = [&h](const void* data, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      h ^= static_cast<const unsigned char*>(data)[i];
+      h *= 1099511628211ULL;
+    }
+  };
+  auto num = [&bytes](auto v) { bytes(&v, sizeof v); };
+  auto text = [&bytes, &num](const std::string& v) { num(v.size()), bytes(v.data(), v.size()); };
+  for (const auto& group : groups) {
+    const WaveletAdamOptions& o = wavelet_options(group);
+    num(o.lr()), num(std::get<0>(o.betas())), num(std::get<1>(o.betas())), num(o.eps());
+    num(o.weight_decay()), text(o.wavelet()), num(o.level()), text(o.boundary()), num(o.scale());
+    num(o.norm_growth_limit()), num(o.correct_bias()), num(o.dim()), num(o.fused());
+    text(o.state_dtype()), text(o.transform()), num(o.threshold()), text(o.threshold_mode());
+    num(o.min_size()), text(o.nonfinite());
+  }
+  return static_cast<int64_t>(h >> 2);
+}
+
+// A parameter's state between two ranks (save_full, load_full): a header of int64 values (whether
+// there is state, its step and skip counts, the moments' dtype and sizes, whether the limiter norm
+// is there and its dtype), then the tensors themselves, sent from where they are: no rank but the
+// one that writes or reads the file holds more than its own state.
+constexpr int64_t k_header = 6;  // has state, step, skipped, moment dtype, has norm, norm dtype
+
+void send_state(const c10::intrusive_ptr<c10d::Backend>& pg, const WaveletAdamParamState* state,
+                const at::Tensor& param, int64_t dst, int tag, const std::string& what) {
+  const auto dev = detail::comm_device(*pg);
+  at::Tensor header = at::zeros({k_header + param.dim()}, at::kLong);
+  int64_t* h = header.data_ptr<int64_t>();
+  if (state != nullptr) {
+    TORCH_INTERNAL_ASSERT(state->exp_avg().dim() == param.dim());
+    h[0] = 1, h[1] = state->step(), h[2] = state->skipped();
+    h[3] = static_cast<int64_t>(state->exp_avg().scalar_type());
+    h[4] = state->norm().defined() ? 1 : 0;
+    h[5] = state->norm().defined() ? static_cast<int64_t>(state->norm().scalar_type()) : 0;
+    for (const auto d : c10::irange(param.dim())) h[k_header + d] = state->exp_avg().size(d);
+  }
+  header = header.to(dev);
+  detail::send(pg, header, dst, tag, what);
+  if (state == nullptr) return;
+  for (const at::Tensor* t : {&state->exp_avg(), &state->exp_avg_sq(), &state->norm()}) {
+    if (!t->defined()) continue;
+    at::Tensor on = t->to(dev).contiguous();  // no copy for a contiguous tensor already there
+    detail::send(pg, on, dst, tag, what);
+  }
+}
+
+std::unique_ptr<WaveletAdamParamState> recv_state(const c10::intrusive_ptr<c10d::Backend>& pg,
+                                                  const at::Tensor& param, int64_t src, int tag,
+                                                  const std::string& what) {
+  const auto dev = detail::comm_device(*pg);
+  at::Tensor header = at::empty({k_header + param.dim()}, at::TensorOptions(at::kLong).device(dev));
+  detail::recv(pg, header, src, tag, what);
+  header = header.cpu();
+  const int64_t* h = header.data_ptr<int64_t>();
+  if (h[0] == 0) return nullptr;
+  auto dtype = [&](int64_t code) {
+    TORCH_CHECK(code >= 0 && code < static_cast<int64_t>(at::ScalarType::NumOptions), k_who,
+                "::", what, ": rank ", src, " sent a state with an unknown dtype (", code, ")");
+    return static_cast<at::ScalarType>(code);
+  };
+  const std::vector<int64_t> sizes(h + k_header, h + k_header + param.dim());
+  auto take = [&](std::vector<int64_t> shape, at::ScalarType type) {
+    at::Tensor t = at::empty(shape, at::TensorOptions(type).device(dev));
+    detail::recv(pg, t, src, tag, what);
+    return t.to(param.device());
+  };
+  auto state = std::make_unique<WaveletAdamParamState>();
+  state->step(h[1]);
+  state->skipped(h[2]);
+  state->exp_avg(take(sizes, dtype(h[3])));
+  state->exp_avg_sq(take(sizes, dtype(h[3])));
+  if (h[4] != 0) state->norm(take({}, dtype(h[5])));
+  return state;
+}
+
 std::string archive_bytes(torch::serialize::OutputArchive& archive) {
   std::string bytes;
   archive.save_to([&bytes](const void* data, size_t size) -> size_t {
@@ -71,22 +152,32 @@ ShardedWaveletAdam::ShardedWaveletAdam(c10::intrusive_ptr<c10d::Backend> pg,
       pg_(std::move(pg)) {
   TORCH_CHECK(pg_, k_who, ": the process group is null");
   // A WaveletAdam over every group checks everything (options, duplicates, dtypes) with
-  // WaveletAdam's own messages, and says which parameters take the wavelet path.
-  WaveletAdam all(groups, defaults);
-  for (const auto i : c10::irange(all.param_groups().size())) {
-    torch::optim::Optimizer::add_param_group(all.param_groups()[i]);
-    param_groups_.back().set_options(all.param_groups()[i].options().clone());
-  }
+  // WaveletAdam's own messages, and says which parameters take the wavelet path. An error on one
+  // rank is agreed on, so that no rank waits for it in the next collective.
   std::vector<int64_t> bytes;
-  for (const auto& group : param_groups_)
-    for (const auto& p : group.params()) {
-      params_.push_back(p);
-      bytes.push_back(estimated_state_bytes(p, wavelet_options(group), all.is_wavelet_param(p)));
+  int64_t digest = 0;
+  const std::string error = detail::capture([&] {
+    WaveletAdam all(groups, defaults);
+    for (const auto i : c10::irange(all.param_groups().size())) {
+      torch::optim::Optimizer::add_param_group(all.param_groups()[i]);
+      param_groups_.back().set_options(all.param_groups()[i].options().clone());
     }
-  detail::check_same(pg_,
-                     {static_cast<int64_t>(params_.size()), detail::shape_digest(params_, false),
-                      static_cast<int64_t>(param_groups_.size())},
-                     "ShardedWaveletAdam", "the parameters");
+    for (const auto& group : param_groups_)
+      for (const auto& p : group.params()) {
+        params_.push_back(p);
+        bytes.push_back(estimated_state_bytes(p, wavelet_options(group), all.is_wavelet_param(p)));
+      }
+    digest = detail::shape_digest(params_, false);
+  });
+  const detail::Agreed agreed = detail::agree(
+      pg_, {detail::failure_flag(*pg_, error)},
+      {static_cast<int64_t>(params_.size()), digest, static_cast<int64_t>(param_groups_.size()),
+       error.empty() ? options_digest(param_groups_) : 0},
+      "ShardedWaveletAdam");
+  detail::throw_if_failed(*pg_, agreed.max[0], error, "ShardedWaveletAdam");
+  if (!agreed.same)
+    detail::fail_differ(*pg_, "ShardedWaveletAdam",
+                        "the parameters, their groups or the groups' options");
   // Greedy by state size, the largest first: each to the rank holding the least so far (the
   // lowest such rank on a tie). The same on every rank, since it depends only on the shapes.
   std::vector<size_t> order(params_.size());
@@ -148,44 +239,69 @@ int64_t ShardedWaveletAdam::state_bytes() const {
 }
 
 at::Tensor ShardedWaveletAdam::step(LossClosure closure) {
+  const char* what = "ShardedWaveletAdam::step";
   at::Tensor loss;
   if (closure != nullptr) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  for (const auto& group : param_groups_) validate_options(wavelet_options(group));
   last_step_bytes_sent_ = 0;
-  // Average the gradients unless all_reduce_gradients just did it on every rank.
+  // Every decision is made together, and every error a caller can cause is agreed on before any
+  // rank writes a parameter or a moment: an error on one rank leaves every rank as it was.
+  // 1. The options (the same on every rank) and whether the gradients still need averaging.
+  std::string error = detail::capture([&] {
+    for (const auto& group : param_groups_) validate_options(wavelet_options(group));
+  });
   const bool averaged = detail::gradients_already_averaged(params_);
-  if (detail::any(pg_, !averaged, "ShardedWaveletAdam::step")) {
+  detail::Agreed agreed = detail::agree(pg_, {detail::failure_flag(*pg_, error), averaged ? 0 : 1},
+                                        {options_digest(param_groups_)}, what);
+  detail::throw_if_failed(*pg_, agreed.max[0], error, what);
+  if (!agreed.same) detail::fail_differ(*pg_, what, "the groups' options");
+  if (agreed.max[1] != 0) {
     all_reduce_gradients(pg_, params_);
     last_step_bytes_sent_ += last_grad_sync_stats().bytes_sent;
   }
-  // The averaged gradients are the same on every rank; the decision is made together anyway, so
-  // that no rank can step while another skips.
-  bool finite = true;
-  for (const auto& p : params_)
-    if (p.grad().defined()) finite = finite && at::isfinite(p.grad()).all().item<bool>();
-  if (detail::any(pg_, !finite, "ShardedWaveletAdam::step")) {
+  // 2. The local optimizer's checks (which write nothing), and the whole-step skip: a non-finite
+  // averaged gradient in a "skip_step" group skips the step everywhere. The averaged gradients
+  // are the same on every rank, so each rank looks at those it owns. Parameters of "skip_param"
+  // groups are decided by their owner's local step, as on one process.
+  sync_local_options();
+  bool nonfinite = false;
+  error = detail::capture([&] {
+    if (!local_) return;
+    local_->check_step();
+    for (const auto& group : local_->param_groups()) {
+      if (wavelet_options(group).nonfinite() != "skip_step") continue;
+      for (const auto& p : group.params())
+        if (p.grad().defined() && !nonfinite)
+          nonfinite = !at::isfinite(p.grad()).all().item<bool>();
+    }
+  });
+  agreed = detail::agree(pg_, {detail::failure_flag(*pg_, error), nonfinite ? 1 : 0}, {}, what);
+  detail::throw_if_failed(*pg_, agreed.max[0], error, what);
+  if (agreed.max[1] != 0) {
     ++skipped_steps_;
     return loss;
   }
-  sync_local_options();
-  // An error here (a bad gradient shape, options that do not fit the dtype) is the same on every
-  // rank for the parameters it owns; it is reported on every rank before any parameter moves.
-  std::string error;
-  if (local_) {
-    try {
-      local_->step();
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    }
-  }
-  TORCH_CHECK(!detail::any(pg_, !error.empty(), "ShardedWaveletAdam::step"), k_who,
-              "::step failed on ", error.empty() ? "another rank" : "this rank", ": ",
-              error.empty() ? "see that rank's message" : error);
+  // 3. The owners step. Only what no check foresees can fail here (memory running out): the
+  // owners' values are broadcast even then, so that the ranks' copies stay the same, and every
+  // rank raises.
+  const int64_t skipped_before = local_ ? local_->skipped_steps() : 0;
+  error = detail::capture([&] {
+    if (local_) local_->step();
+  });
+  const bool skipped_any = local_ && local_->skipped_steps() != skipped_before;
+  agreed = detail::agree(pg_, {detail::failure_flag(*pg_, error), skipped_any ? 1 : 0}, {}, what);
+  if (agreed.max[1] != 0) ++skipped_steps_;
   broadcast_parameters();
+  if (agreed.max[0] != 0)
+    detail::throw_if_failed(*pg_, agreed.max[0],
+                            error.empty() ? error
+                                          : error +
+                                                " (the step was applied in part: every "
+                                                "rank holds its owners' values)",
+                            what);
   return loss;
 }
 
@@ -225,6 +341,13 @@ void ShardedWaveletAdam::save(torch::serialize::OutputArchive& archive) const {
   archive.write("owners", at::tensor(owner_, at::kLong));
   archive.write("skipped_steps", c10::IValue(skipped_steps_));
   archive.write("has_local", c10::IValue(local_ != nullptr));
+  // Every group's options, owned or not (the local checkpoint has only the owned groups'), so that
+  // a loaded shard restores them all.
+  for (const auto g : c10::irange(param_groups_.size())) {
+    torch::serialize::OutputArchive options;
+    wavelet_options(param_groups_[g]).serialize(options);
+    archive.write("options_" + std::to_string(g), options);
+  }
   if (local_) {
     torch::serialize::OutputArchive local;
     local_->save(local);
@@ -264,6 +387,15 @@ void ShardedWaveletAdam::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(has_local.toBool() == (local_ != nullptr), k_who,
               "::load: the shard holds state for ", has_local.toBool() ? "some" : "no",
               " parameters, but this rank owns ", local_ ? "some" : "none");
+  // Every group's options (shards written before they were saved have the owned groups' only).
+  std::vector<std::unique_ptr<WaveletAdamOptions>> options(param_groups_.size());
+  for (const auto g : c10::irange(param_groups_.size())) {
+    torch::serialize::InputArchive one;
+    if (!archive.try_read("options_" + std::to_string(g), one)) continue;
+    options[g] = std::make_unique<WaveletAdamOptions>();
+    options[g]->serialize(one);
+    validate_options(*options[g]);
+  }
   if (local_) {
     torch::serialize::InputArchive local;
     TORCH_CHECK(archive.try_read("local", local), k_who, "::load: the shard has no local state");
@@ -271,6 +403,9 @@ void ShardedWaveletAdam::load(torch::serialize::InputArchive& archive) {
     for (const auto j : c10::irange(local_group_.size()))
       param_groups_[local_group_[j]].set_options(local_->param_groups()[j].options().clone());
   }
+  for (const auto g : c10::irange(param_groups_.size()))
+    if (options[g]) param_groups_[g].set_options(std::move(options[g]));
+  sync_local_options();
   skipped_steps_ = skipped.toInt();
 }
 
@@ -297,112 +432,133 @@ void ShardedWaveletAdam::load_shard(const std::string& path) {
 }
 
 void ShardedWaveletAdam::save_full(const std::string& path) const {
-  // Each rank's owned states, serialized; gathered as bytes (padded to the longest).
-  torch::serialize::OutputArchive mine;
-  std::vector<int64_t> have;
-  if (local_) {
-    for (const auto i : c10::irange(params_.size())) {
-      auto it = local_->state().find(params_[i].unsafeGetTensorImpl());
-      if (owner_[i] != pg_->getRank() || it == local_->state().end()) continue;
-      torch::serialize::OutputArchive one;
-      static_cast<const WaveletAdamParamState&>(*it->second).serialize(one);
-      mine.write("p" + std::to_string(i), one);
-      have.push_back(static_cast<int64_t>(i));
+  // Rank 0 receives each parameter's state from its owner, one parameter at a time, and writes the
+  // checkpoint; the other ranks send what they own from where it is (ZeRO's consolidation to one
+  // rank: no rank but 0 holds more than its own state).
+  const char* what = "ShardedWaveletAdam::save_full";
+  const int64_t rank = pg_->getRank();
+  auto owned_state = [&](size_t i) -> const WaveletAdamParamState* {
+    if (!local_) return nullptr;
+    auto it = local_->state().find(params_[i].unsafeGetTensorImpl());
+    return it == local_->state().end()
+               ? nullptr
+               : static_cast<const WaveletAdamParamState*>(it->second.get());
+  };
+  const std::string error = detail::capture([&] {
+    if (rank != 0) {
+      for (const auto i : c10::irange(params_.size()))
+        if (owner_[i] == rank)
+          send_state(pg_, owned_state(i), params_[i], 0, static_cast<int>(i), what);
+      return;
     }
-  }
-  mine.write("have", at::tensor(have, at::kLong));
-  const std::string bytes = archive_bytes(mine);
-  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-  at::Tensor size_on = size.to(detail::comm_device(*pg_));
-  detail::allreduce(pg_, size_on, c10d::ReduceOp::MAX, "ShardedWaveletAdam::save_full");
-  const int64_t longest = size_on.cpu().item<int64_t>();
-  at::Tensor buffer = at::zeros({longest + 8}, at::kByte);
-  std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
-  const auto n = static_cast<int64_t>(bytes.size());
-  std::memcpy(buffer.data_ptr<uint8_t>() + longest, &n, 8);
-  const std::vector<at::Tensor> all =
-      detail::allgather(pg_, buffer.to(detail::comm_device(*pg_)), "ShardedWaveletAdam::save_full");
-
-  std::string error;
-  if (pg_->getRank() == 0) {
-    try {
-      std::vector<torch::optim::OptimizerParamGroup> groups;
-      for (const auto& g : param_groups_) groups.emplace_back(g.params(), g.options().clone());
-      WaveletAdam full(std::move(groups), wavelet_options(param_groups_[0]));
-      full.skipped_steps_ = skipped_steps_;
-      for (const auto& t : all) {
-        const at::Tensor b = t.cpu();
-        int64_t len = 0;
-        std::memcpy(&len, b.data_ptr<uint8_t>() + longest, 8);
-        torch::serialize::InputArchive in;
-        in.load_from(reinterpret_cast<const char*>(b.data_ptr<uint8_t>()),
-                     static_cast<size_t>(len));
-        at::Tensor indices;
-        in.read("have", indices);
-        for (const auto k : c10::irange(indices.numel())) {
-          const int64_t i = indices[k].item<int64_t>();
-          torch::serialize::InputArchive one;
-          in.read("p" + std::to_string(i), one);
-          auto state = std::make_unique<WaveletAdamParamState>();
-          state->serialize(one);
-          full.state()[params_[i].unsafeGetTensorImpl()] = std::move(state);
-        }
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    for (const auto& g : param_groups_) groups.emplace_back(g.params(), g.options().clone());
+    WaveletAdam full(std::move(groups), wavelet_options(param_groups_[0]));
+    full.skipped_steps_ = skipped_steps_;
+    for (const auto i : c10::irange(params_.size())) {
+      std::unique_ptr<WaveletAdamParamState> state;
+      if (owner_[i] != 0) {
+        state = recv_state(pg_, params_[i], owner_[i], static_cast<int>(i), what);
+      } else if (const auto* mine = owned_state(i)) {
+        state = std::make_unique<WaveletAdamParamState>(*mine);  // shares the tensors
       }
+      if (state) full.state()[params_[i].unsafeGetTensorImpl()] = std::move(state);
+    }
+    try {
       torch::save(full, path);
     } catch (const std::exception& e) {
-      error = e.what();
+      TORCH_CHECK(false, k_who, "::save_full: rank 0 could not write ", path, ": ", e.what());
     }
-  }
-  TORCH_CHECK(!detail::any(pg_, !error.empty(), "ShardedWaveletAdam::save_full"), k_who,
-              "::save_full: rank 0 could not write ", path,
-              error.empty() ? std::string(" (see rank 0's message)") : ": " + error);
+  });
+  const int64_t failed = detail::agree(pg_, {detail::failure_flag(*pg_, error)}, {}, what).max[0];
+  detail::throw_if_failed(*pg_, failed, error, what);
 }
 
 void ShardedWaveletAdam::load_full(const std::string& path) {
-  // Rank 0 reads the file; every rank gets its bytes (a size of -1: rank 0 could not read it).
-  std::string bytes, error;
-  if (pg_->getRank() == 0) {
-    std::ifstream in(path, std::ios::binary);
-    if (in) {
-      bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    } else {
-      error = "cannot open " + path;
-    }
-  }
-  at::Tensor size =
-      at::full({1}, error.empty() ? static_cast<int64_t>(bytes.size()) : -1, at::kLong)
-          .to(detail::comm_device(*pg_));
-  detail::broadcast(pg_, size, 0, "ShardedWaveletAdam::load_full");
-  const int64_t n = size.cpu().item<int64_t>();
-  TORCH_CHECK(n >= 0, k_who, "::load_full: rank 0 ",
-              error.empty() ? std::string("could not read ") + path : error);
-  at::Tensor buffer = at::zeros({n}, at::kByte);
-  if (pg_->getRank() == 0) std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
-  buffer = buffer.to(detail::comm_device(*pg_));
-  detail::broadcast(pg_, buffer, 0, "ShardedWaveletAdam::load_full");
-  buffer = buffer.cpu();
-
-  // Every rank loads the whole checkpoint into a WaveletAdam over every parameter (the same
-  // checks, the same outcome everywhere), then keeps the state of what it owns.
+  // Rank 0 reads and checks the whole checkpoint (a single-process WaveletAdam's, or one
+  // save_full wrote), sends every rank the groups' options and the skip count, and then each
+  // owner the state of its parameters, one at a time. Nothing changes anywhere unless every
+  // rank got all of its part.
+  const char* what = "ShardedWaveletAdam::load_full";
+  const int64_t rank = pg_->getRank();
   std::vector<torch::optim::OptimizerParamGroup> groups;
   for (const auto& g : param_groups_) groups.emplace_back(g.params(), g.options().clone());
-  WaveletAdam full(std::move(groups), wavelet_options(param_groups_[0]));
-  torch::serialize::InputArchive archive;
-  archive.load_from(reinterpret_cast<const char*>(buffer.data_ptr<uint8_t>()),
-                    static_cast<size_t>(n));
-  full.load(archive);
-  for (const auto g : c10::irange(param_groups_.size()))
-    param_groups_[g].set_options(full.param_groups()[g].options().clone());
-  build_local();  // fresh, empty state; options from the checkpoint
-  if (local_) {
-    for (const auto i : c10::irange(params_.size())) {
-      if (owner_[i] != pg_->getRank()) continue;
-      auto it = full.state().find(params_[i].unsafeGetTensorImpl());
-      if (it != full.state().end())
-        local_->state()[params_[i].unsafeGetTensorImpl()] = std::move(it->second);
-    }
+  std::unique_ptr<WaveletAdam> full;
+  std::string header;  // rank 0: the options and the skip count, serialized
+  std::string error;
+  if (rank == 0) {
+    error = detail::capture([&] {
+      TORCH_CHECK(std::ifstream(path).good(), "cannot open ", path);
+      full = std::make_unique<WaveletAdam>(groups, wavelet_options(param_groups_[0]));
+      torch::serialize::InputArchive archive;
+      archive.load_from(path);
+      full->load(archive);  // checks everything
+      torch::serialize::OutputArchive out;
+      out.write("skipped_steps", c10::IValue(full->skipped_steps()));
+      for (const auto g : c10::irange(param_groups_.size())) {
+        torch::serialize::OutputArchive options;
+        full->group_options(g).serialize(options);
+        out.write("options_" + std::to_string(g), options);
+      }
+      header = archive_bytes(out);
+    });
   }
-  skipped_steps_ = full.skipped_steps();
+  at::Tensor size =
+      at::full({1}, error.empty() ? static_cast<int64_t>(header.size()) : -1, at::kLong)
+          .to(detail::comm_device(*pg_));
+  detail::broadcast(pg_, size, 0, what);
+  const int64_t n = size.cpu().item<int64_t>();
+  TORCH_CHECK(n >= 0, k_who, "::load_full: rank 0 could not load ", path,
+              error.empty() ? std::string(" (see rank 0's message)") : ": " + error);
+  at::Tensor buffer = at::zeros({n}, at::kByte);
+  if (rank == 0) std::memcpy(buffer.data_ptr(), header.data(), header.size());
+  buffer = buffer.to(detail::comm_device(*pg_));
+  detail::broadcast(pg_, buffer, 0, what);
+  buffer = buffer.cpu();
+
+  std::vector<std::unique_ptr<WaveletAdamOptions>> options(param_groups_.size());
+  int64_t skipped = 0;
+  std::vector<std::unique_ptr<WaveletAdamParamState>> states(params_.size());
+  error = detail::capture([&] {
+    torch::serialize::InputArchive in;
+    in.load_from(reinterpret_cast<const char*>(buffer.data_ptr<uint8_t>()), static_cast<size_t>(n));
+    c10::IValue value;
+    TORCH_CHECK(in.try_read("skipped_steps", value) && value.isInt(), "no skip count");
+    skipped = value.toInt();
+    for (const auto g : c10::irange(param_groups_.size())) {
+      torch::serialize::InputArchive one;
+      TORCH_CHECK(in.try_read("options_" + std::to_string(g), one), "no options for group ", g);
+      options[g] = std::make_unique<WaveletAdamOptions>();
+      options[g]->serialize(one);
+      validate_options(*options[g]);
+    }
+    for (const auto i : c10::irange(params_.size())) {
+      const int tag = static_cast<int>(i);
+      if (rank == 0) {
+        auto it = full->state().find(params_[i].unsafeGetTensorImpl());
+        auto* state = it == full->state().end()
+                          ? nullptr
+                          : static_cast<WaveletAdamParamState*>(it->second.get());
+        if (owner_[i] != 0) {
+          send_state(pg_, state, params_[i], owner_[i], tag, what);
+        } else if (state != nullptr) {
+          states[i] = std::make_unique<WaveletAdamParamState>(*state);
+        }
+      } else if (owner_[i] == rank) {
+        states[i] = recv_state(pg_, params_[i], 0, tag, what);
+      }
+    }
+  });
+  const int64_t failed = detail::agree(pg_, {detail::failure_flag(*pg_, error)}, {}, what).max[0];
+  detail::throw_if_failed(
+      *pg_, failed, error.empty() ? error : std::string(k_who) + "::load_full: " + error, what);
+  full.reset();
+  for (const auto g : c10::irange(param_groups_.size()))
+    param_groups_[g].set_options(std::move(options[g]));
+  build_local();  // fresh, empty state; options from the checkpoint
+  for (const auto i : c10::irange(params_.size()))
+    if (states[i]) local_->state()[params_[i].unsafeGetTensorImpl()] = std::move(states[i]);
+  skipped_steps_ = skipped;
 }
 
 }  // namespace distributed

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "../plain_tensor.h"
 #include "gwt/kernels.h"
 
 namespace gwt {
@@ -94,6 +95,7 @@ inline bool is_supported_param_dtype(at::ScalarType t) {
 
 inline void check_param(const char* who, const at::Tensor& param) {
   TORCH_CHECK(param.defined(), who, ": got an undefined parameter tensor");
+  detail::check_plain_tensor(who, "a parameter", param);
   // float8 and the other narrow floating types pass is_floating_point() but have no kernel type.
   TORCH_CHECK(is_supported_param_dtype(param.scalar_type()), who,
               ": parameters must be float64, float32, float16 or bfloat16, got a ",
@@ -108,6 +110,7 @@ inline void check_grad(const char* who, const at::Tensor& param, const at::Tenso
   TORCH_CHECK(!grad.is_sparse() && grad.layout() == at::kStrided, who,
               " does not support sparse gradients (parameter of shape ", param.sizes(),
               "); use a dense gradient, e.g. nn::Embedding without sparse=true");
+  detail::check_plain_tensor(who, "a gradient", grad);
   TORCH_CHECK(grad.sizes() == param.sizes(), who, ": gradient shape ", grad.sizes(),
               " does not match its parameter's shape ", param.sizes());
   TORCH_CHECK(grad.is_floating_point(), who, ": gradient dtype ", grad.scalar_type(),

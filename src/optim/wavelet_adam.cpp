@@ -582,6 +582,65 @@ void update_param(const Work& work) {
     reference_update(work, state, step_size);
 }
 
+// Pass 1 of a step: checks everything a caller can get wrong (options, parameters, gradients, the
+// state they meet) and says how each parameter with a gradient will be stepped. Reads only; `State`
+// is the optimizer's state map.
+template <typename State>
+std::vector<Work> checked_work(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                               const State& state) {
+  std::vector<Work> work;
+  for (const auto i : c10::irange(groups.size())) {
+    const auto& group = groups[i];
+    const WaveletAdamOptions& options = options_of(group);
+    validate_options(options);
+    for (const auto& param : group.params()) {
+      check_param(param);
+      const at::Tensor& grad = param.grad();
+      if (!grad.defined()) continue;
+      optim_detail::check_grad("gwt::WaveletAdam", param, grad);
+      Plan plan = plan_for(param, options);
+      auto it = state.find(param.unsafeGetTensorImpl());
+      check_options_fit(
+          param, options,
+          (it == state.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).step()) +
+              1);
+      if (it != state.end()) {
+        const auto& saved = static_cast<const WaveletAdamParamState&>(*it->second);
+        check_state(saved, param, plan);
+        // The kernels take raw pointers: the moments must live where the parameter does, in a
+        // type they read (the parameter's math type, or bfloat16).
+        for (const at::Tensor* t : {&saved.exp_avg(), &saved.exp_avg_sq()}) {
+          TORCH_CHECK(t->device() == param.device() && t->is_contiguous(),
+                      "gwt::WaveletAdam: the moments of a parameter on ", param.device(),
+                      " are on ", t->device(), t->is_contiguous() ? "" : " (not contiguous)",
+                      "; move the model before the first step, or save the optimizer and load "
+                      "it again after moving the model");
+          TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == compute_dtype(param),
+                      "gwt::WaveletAdam: the moments of a ", param.scalar_type(), " parameter are ",
+                      t->scalar_type(), " (valid: ", compute_dtype(param),
+                      " or BFloat16); convert the model before the first step, or save the "
+                      "optimizer and load it again after converting the model");
+        }
+      }
+      Work w;
+      w.param = param;
+      w.options = &options;
+      w.per_param = options.nonfinite() == "skip_param";
+      w.path = path_for(param, options, plan);
+      // The CUDA bodies read a gradient in its parameter's type: a float16/bfloat16 parameter with
+      // a gradient of another type takes the reference there, which reads it in float32 (the CPU
+      // bodies read such a gradient as float32 themselves: HaarAdamArgs::grad_f32).
+      if (w.path != Path::reference && param.is_cuda() &&
+          grad.scalar_type() != param.scalar_type() && compute_dtype(param) != param.scalar_type())
+        w.path = Path::reference;
+      w.plan = std::move(plan);
+      if (it != state.end()) w.state = static_cast<WaveletAdamParamState*>(it->second.get());
+      work.push_back(std::move(w));
+    }
+  }
+  return work;
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -638,6 +697,11 @@ const WaveletAdamOptions& WaveletAdam::group_options(size_t i) const {
   return options_of(param_groups()[i]);
 }
 
+void WaveletAdam::check_step() const {
+  at::NoGradGuard no_grad;
+  checked_work(param_groups(), state_);
+}
+
 at::Tensor WaveletAdam::step(LossClosure closure) {
   at::NoGradGuard no_grad;
   at::Tensor loss;
@@ -647,56 +711,7 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
   }
 
   // Pass 1: check everything a caller can get wrong; nothing has changed yet.
-  std::vector<Work> work;
-  for (const auto i : c10::irange(param_groups().size())) {
-    const auto& group = param_groups()[i];
-    const WaveletAdamOptions& options = options_of(group);
-    validate_options(options);
-    for (const auto& param : group.params()) {
-      check_param(param);
-      const at::Tensor& grad = param.grad();
-      if (!grad.defined()) continue;
-      optim_detail::check_grad("gwt::WaveletAdam", param, grad);
-      Plan plan = plan_for(param, options);
-      auto it = state_.find(param.unsafeGetTensorImpl());
-      check_options_fit(
-          param, options,
-          (it == state_.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).step()) +
-              1);
-      if (it != state_.end()) {
-        const auto& state = static_cast<const WaveletAdamParamState&>(*it->second);
-        check_state(state, param, plan);
-        // The kernels take raw pointers: the moments must live where the parameter does, in a
-        // type they read (the parameter's math type, or bfloat16).
-        for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()}) {
-          TORCH_CHECK(t->device() == param.device() && t->is_contiguous(),
-                      "gwt::WaveletAdam: the moments of a parameter on ", param.device(),
-                      " are on ", t->device(), t->is_contiguous() ? "" : " (not contiguous)",
-                      "; move the model before the first step, or save the optimizer and load "
-                      "it again after moving the model");
-          TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == compute_dtype(param),
-                      "gwt::WaveletAdam: the moments of a ", param.scalar_type(), " parameter are ",
-                      t->scalar_type(), " (valid: ", compute_dtype(param),
-                      " or BFloat16); convert the model before the first step, or save the "
-                      "optimizer and load it again after converting the model");
-        }
-      }
-      Work w;
-      w.param = param;
-      w.options = &options;
-      w.per_param = options.nonfinite() == "skip_param";
-      w.path = path_for(param, options, plan);
-      // The CUDA bodies read a gradient in its parameter's type: a float16/bfloat16 parameter with
-      // a gradient of another type takes the reference there, which reads it in float32 (the CPU
-      // bodies read such a gradient as float32 themselves: HaarAdamArgs::grad_f32).
-      if (w.path != Path::reference && param.is_cuda() &&
-          grad.scalar_type() != param.scalar_type() && compute_dtype(param) != param.scalar_type())
-        w.path = Path::reference;
-      w.plan = std::move(plan);
-      if (it != state_.end()) w.state = static_cast<WaveletAdamParamState*>(it->second.get());
-      work.push_back(std::move(w));
-    }
-  }
+  std::vector<Work> work = checked_work(param_groups(), state_);
   if (work.empty()) return loss;
 
   // Fresh state for first steps, committed only if the step is taken.

@@ -134,6 +134,11 @@ class WaveletAdam : public torch::optim::Optimizer {
   void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
 
   at::Tensor step(LossClosure closure = nullptr) override;
+  /// Makes every check step() makes before it changes anything (options, parameters, their
+  /// gradients and state) and changes nothing: throws the c10::Error that step() would throw for
+  /// the gradients as they are now. For callers that must agree on an error before anything is
+  /// written (gwt::distributed::ShardedWaveletAdam: every rank checks, then every rank steps).
+  void check_step() const;
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
