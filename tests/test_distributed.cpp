@@ -33,6 +33,7 @@
 #include <gwt/wavelet.h>
 
 #include "../examples/train_lm/counting_allocator.h"
+#include "../src/distributed/comm.h"
 
 #include <atomic>
 #include <chrono>
@@ -879,6 +880,27 @@ void expect_error(const std::function<void()>& f, const std::string& text) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
   }
+}
+
+// NCCL's device (issue 39, item 4): one GPU per process, the one torchrun's LOCAL_RANK names (the
+// NCCL group itself needs GPUs; the choice is tested here).
+TEST(Distributed, NcclDeviceComesFromLocalRank) {
+  using gwt::distributed::detail::cuda_device_for_rank;
+  {
+    EnvGuard env({{"LOCAL_RANK", "3"}, {"GWT_DIST_UNUSED", ""}});
+    EXPECT_EQ(cuda_device_for_rank(11, 8), 3);
+  }
+  {
+    EnvGuard env({{"LOCAL_RANK", ""}, {"GWT_DIST_UNUSED", ""}});
+    EXPECT_EQ(cuda_device_for_rank(11, 8), 3);
+    EXPECT_EQ(cuda_device_for_rank(5, 8), 5);
+  }
+  {
+    EnvGuard env({{"LOCAL_RANK", "8"}, {"GWT_DIST_UNUSED", ""}});
+    expect_error([] { cuda_device_for_rank(0, 8); },
+                 "LOCAL_RANK='8' is not a whole number from 0 to 7");
+  }
+  expect_error([] { cuda_device_for_rank(0, 0); }, "this process sees none");
 }
 
 TEST(Distributed, BadEnvironmentAndOptionsAreClearErrors) {

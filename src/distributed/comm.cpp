@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -37,7 +38,8 @@ namespace distributed {
 #ifdef GWT_HAVE_NCCL
 namespace detail {
 c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                            int world, std::chrono::milliseconds timeout);
+                                            int world, int64_t device,
+                                            std::chrono::milliseconds timeout);
 }  // namespace detail
 #endif
 
@@ -53,8 +55,21 @@ std::string where(const c10d::Backend& pg) {
 
 }  // namespace
 
-at::Device comm_device(const c10d::Backend& pg) {
-  return pg.getBackendName() == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+namespace {
+// The CUDA device init_from_env chose for this process's NCCL group (-1: none chosen).
+std::atomic<int64_t> nccl_device{-1};
+}  // namespace
+
+at::Device comm_device(const c10d::Backend& pg, const at::Tensor& like) {
+  if (pg.getBackendName() != "nccl") return at::Device(at::kCPU);
+  if (like.defined() && like.is_cuda()) return like.device();
+  const int64_t chosen = nccl_device.load();
+  return chosen >= 0 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(chosen))
+                     : at::Device(at::kCUDA);
+}
+
+void remember_nccl_device(int64_t index) {
+  nccl_device = index;
 }
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::Backend& pg,
@@ -299,6 +314,16 @@ int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
 
 }  // namespace
 
+namespace detail {
+int64_t cuda_device_for_rank(int64_t rank, int64_t device_count) {
+  TORCH_CHECK(device_count > 0,
+              "gwt::distributed::init_from_env: backend 'nccl' needs a CUDA "
+              "device and this process sees none (CUDA_VISIBLE_DEVICES?); use 'gloo'");
+  if (env("LOCAL_RANK")) return env_int("LOCAL_RANK", 0, 0, device_count - 1);
+  return rank % device_count;
+}
+}  // namespace detail
+
 c10::intrusive_ptr<c10d::Backend> init_from_env(const std::string& backend,
                                                 std::chrono::milliseconds timeout) {
   const char* who = "gwt::distributed::init_from_env";
@@ -358,7 +383,11 @@ c10::intrusive_ptr<c10d::Backend> init_from_env(const std::string& backend,
 
   if (name == "nccl") {
 #ifdef GWT_HAVE_NCCL
-    return detail::make_nccl(store, static_cast<int>(rank), static_cast<int>(world), timeout);
+    const int64_t device =
+        detail::cuda_device_for_rank(rank, static_cast<int64_t>(torch::cuda::device_count()));
+    detail::remember_nccl_device(device);
+    return detail::make_nccl(store, static_cast<int>(rank), static_cast<int>(world), device,
+                             timeout);
 #else
     TORCH_CHECK(false, who,
                 ": backend 'nccl' was asked for, but gwt was built without NCCL "
@@ -570,7 +599,7 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
        detail::buckets(payload, static_cast<int64_t>(options.bucket_mb * 1024 * 1024))) {
     std::vector<at::Tensor> flat;
     for (size_t i = begin; i < end; ++i) flat.push_back(payload[i].reshape({-1}));
-    at::Tensor bucket = at::cat(flat).to(detail::comm_device(*pg));
+    at::Tensor bucket = at::cat(flat).to(detail::comm_device(*pg, payload[begin]));
     stats.bytes_sent += static_cast<int64_t>(bucket.nbytes());
     ++stats.collectives;
     detail::allreduce(pg, bucket, c10d::ReduceOp::SUM, "all_reduce_gradients");
@@ -594,7 +623,7 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
     std::vector<at::Tensor> bits, scales;
     for (const size_t k : mine)
       bits.push_back(sketch[k]->packed), scales.push_back(sketch[k]->scale);
-    const auto dev = detail::comm_device(*pg);
+    const auto dev = detail::comm_device(*pg, sketch[mine[0]]->detail);
     const std::vector<at::Tensor> all_bits =
         detail::allgather(pg, at::cat(bits).to(dev), "all_reduce_gradients");
     const std::vector<at::Tensor> all_scales =
@@ -681,7 +710,7 @@ void broadcast_parameters(const c10::intrusive_ptr<c10d::Backend>& pg,
   for (const auto& [begin, end] : detail::buckets(params, int64_t{64} << 20)) {
     std::vector<at::Tensor> flat;
     for (size_t i = begin; i < end; ++i) flat.push_back(params[i].detach().reshape({-1}));
-    at::Tensor bucket = at::cat(flat).to(detail::comm_device(*pg));
+    at::Tensor bucket = at::cat(flat).to(detail::comm_device(*pg, params[begin]));
     detail::broadcast(pg, bucket, root, "broadcast_parameters");
     if (pg->getRank() == root) continue;
     int64_t offset = 0;

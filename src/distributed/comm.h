@@ -16,8 +16,17 @@ namespace gwt {
 namespace distributed {
 namespace detail {
 
-/// Where a group's collectives take their tensors: CUDA for NCCL, the CPU otherwise.
-at::Device comm_device(const c10d::Backend& pg);
+/// Where a group's collectives take their tensors: the CPU for Gloo; for NCCL the CUDA device of
+/// `like` when it is a CUDA tensor (the parameters' device), else the device init_from_env chose
+/// for this rank (cuda_device_for_rank).
+at::Device comm_device(const c10d::Backend& pg, const at::Tensor& like = {});
+
+/// The CUDA device of this process in a group of one process per GPU: LOCAL_RANK (set by torchrun)
+/// when set, else the rank modulo `device_count`. An error when there is no device or LOCAL_RANK
+/// names none.
+int64_t cuda_device_for_rank(int64_t rank, int64_t device_count);
+/// Records the device init_from_env chose for its NCCL group (comm_device's fallback).
+void remember_nccl_device(int64_t index);
 
 /// Waits for `work`, turning a failure into a c10::Error that says what failed.
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::Backend& pg,

@@ -83,7 +83,7 @@ constexpr int64_t k_header = 6;  // has state, step, skipped, moment dtype, has 
 
 void send_state(const c10::intrusive_ptr<c10d::Backend>& pg, const WaveletAdamParamState* state,
                 const at::Tensor& param, int64_t dst, int tag, const std::string& what) {
-  const auto dev = detail::comm_device(*pg);
+  const auto dev = detail::comm_device(*pg, param);
   at::Tensor header = at::zeros({k_header + param.dim()}, at::kLong);
   int64_t* h = header.data_ptr<int64_t>();
   if (state != nullptr) {
@@ -107,7 +107,7 @@ void send_state(const c10::intrusive_ptr<c10d::Backend>& pg, const WaveletAdamPa
 std::unique_ptr<WaveletAdamParamState> recv_state(const c10::intrusive_ptr<c10d::Backend>& pg,
                                                   const at::Tensor& param, int64_t src, int tag,
                                                   const std::string& what) {
-  const auto dev = detail::comm_device(*pg);
+  const auto dev = detail::comm_device(*pg, param);
   at::Tensor header = at::empty({k_header + param.dim()}, at::TensorOptions(at::kLong).device(dev));
   detail::recv(pg, header, src, tag, what);
   header = header.cpu();
@@ -315,7 +315,7 @@ void ShardedWaveletAdam::broadcast_parameters() {
     for (const auto& [begin, end] : detail::buckets(owned, int64_t{64} << 20)) {
       std::vector<at::Tensor> flat;
       for (size_t i = begin; i < end; ++i) flat.push_back(owned[i].detach().reshape({-1}));
-      at::Tensor bucket = at::cat(flat).to(detail::comm_device(*pg_));
+      at::Tensor bucket = at::cat(flat).to(detail::comm_device(*pg_, owned[begin]));
       if (static_cast<int64_t>(r) == pg_->getRank())
         last_step_bytes_sent_ += static_cast<int64_t>(bucket.nbytes());
       detail::broadcast(pg_, bucket, static_cast<int64_t>(r), "ShardedWaveletAdam::step");
