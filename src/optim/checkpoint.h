@@ -18,6 +18,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -25,6 +26,18 @@
 
 namespace gwt {
 namespace optim_detail {
+
+/// Each parameter's param_where(), by its TensorImpl, for a loader's messages.
+inline std::unordered_map<const void*, std::string> param_positions(
+    const torch::optim::Optimizer& optimizer) {
+  std::unordered_map<const void*, std::string> out;
+  for (const auto i : c10::irange(optimizer.param_groups().size()))
+    for (const auto j : c10::irange(optimizer.param_groups()[i].params().size())) {
+      const at::Tensor& param = optimizer.param_groups()[i].params()[j];
+      out[param.unsafeGetTensorImpl()] = param_where(i, j, param);
+    }
+  return out;
+}
 
 inline std::string group_key(size_t i) {
   return "group_" + std::to_string(i);

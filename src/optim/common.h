@@ -8,6 +8,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -86,6 +87,13 @@ inline at::Tensor grad_for_finite_check(const at::Tensor& param, const at::Tenso
   const auto math = compute_dtype(param);
   if (grad.scalar_type() == at::kDouble && math != at::kDouble) return grad.to(math);
   return grad;
+}
+
+/// "parameter j of group i (shape [..])": how a message names a parameter.
+inline std::string param_where(size_t group, size_t position, const at::Tensor& param) {
+  std::ostringstream out;
+  out << "parameter " << position << " of group " << group << " (shape " << param.sizes() << ")";
+  return out.str();
 }
 
 /// Whether the kernels (and so the optimizers) read and write this dtype.
@@ -170,6 +178,34 @@ inline bool all_finite(const std::vector<at::Tensor>& tensors) {
     }
   }
   return device_flags.empty() || at::stack(device_flags).all().item<bool>();
+}
+
+/// A loaded state tensor (`name`, of the parameter `where` names) as an optimizer keeps it:
+/// floating point, in `target`'s dtype and on its device, contiguous; with `own_storage` in
+/// storage of its own (the steps update the moments in place: a Python state_dict's tensors stay
+/// the caller's). Its values are checked in the target dtype (a finite float64 value can
+/// overflow float32): finite, and >= 0 where `non_negative`. An undefined tensor stays undefined.
+/// What WaveletAdam::load and GaLoreAdam::load do with a checkpoint's tensors, and the Python
+/// package's load_state_dict with a state_dict's.
+inline at::Tensor loaded_state_tensor(const at::Tensor& t, const at::TensorOptions& target,
+                                      const char* who, const char* name, const std::string& where,
+                                      bool non_negative, bool own_storage) {
+  if (!t.defined()) return t;
+  const std::string what = std::string("the saved ") + name + " for " + where;
+  detail::check_plain_tensor(who, what.c_str(), t);
+  TORCH_CHECK(t.is_floating_point(), who, ": ", what, " is a ", t.scalar_type(),
+              " tensor (moments, limiter norm and projector are floating point)");
+  at::Tensor out = t.to(target).contiguous();
+  if (own_storage && out.is_alias_of(t)) out = out.clone();
+  auto corrupt = [&](const char* problem) {
+    TORCH_CHECK(false, who, ": ", what, " ", problem,
+                "; the saved state is corrupt (or from a diverged run)");
+  };
+  if (!all_finite({out})) corrupt("holds a NaN or an infinity");
+  // min(), not (out < 0).any(): no mask as large as the tensor (the values are finite).
+  if (non_negative && out.numel() > 0 && out.min().item<double>() < 0)
+    corrupt("holds a negative value");
+  return out;
 }
 
 }  // namespace optim_detail

@@ -16,8 +16,14 @@
 
 #include "checkpoint.h"
 #include "common.h"
+#include "galore_adam_detail.h"
 
 namespace gwt {
+
+using galore_adam_detail::check_options_fit;
+using galore_adam_detail::check_state;
+using galore_adam_detail::Plan;
+using galore_adam_detail::plan_for;
 
 namespace {
 constexpr const char* k_who = "gwt::GaLoreAdam";
@@ -105,8 +111,8 @@ void GaLoreAdamParamState::serialize(torch::serialize::InputArchive& archive) {
   right(read_value(archive, "right", what).toBool());
 }
 
-// Every option value that enters `param`'s step number `next_step` fits its math dtype (step() and
-// load() check it).
+namespace galore_adam_detail {
+
 void check_options_fit(const at::Tensor& param, const GaLoreAdamOptions& o, int64_t next_step) {
   const double step_size =
       optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), next_step);
@@ -116,6 +122,56 @@ void check_options_fit(const at::Tensor& param, const GaLoreAdamOptions& o, int6
                                    {"the step size x scale", step_size * o.scale()},
                                    {"lr x weight_decay", o.lr() * o.weight_decay()}});
 }
+
+Plan plan_for(const at::Tensor& param, const GaLoreAdamOptions& o) {
+  Plan plan;
+  plan.state_shape = param.sizes().vec();
+  if (param.dim() != 2 || o.rank() < 1 || o.rank() >= std::min(param.size(0), param.size(1)))
+    return plan;
+  const int64_t m = param.size(0), n = param.size(1);
+  const auto& type = o.proj_type();
+  plan.projected = true;
+  plan.rank = o.rank();
+  plan.right = type == "right" || (type == "std" && m >= n) || (type == "reverse_std" && m < n);
+  plan.state_shape =
+      plan.right ? std::vector<int64_t>{m, o.rank()} : std::vector<int64_t>{o.rank(), n};
+  return plan;
+}
+
+void check_state(const GaLoreAdamParamState& state, const at::Tensor& param, const Plan& plan) {
+  for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()})
+    TORCH_CHECK(t->defined() && t->sizes().vec() == plan.state_shape, k_who,
+                ": the state of a parameter of shape ", param.sizes(), " has moments of shape ",
+                t->defined() ? t->sizes() : c10::IntArrayRef{}, " but its group's options need ",
+                c10::IntArrayRef(plan.state_shape),
+                " (were rank or proj_type changed after training started?)");
+  if (plan.projected && state.projector().defined()) {
+    const std::vector<int64_t> expected = plan.right
+                                              ? std::vector<int64_t>{plan.rank, param.size(1)}
+                                              : std::vector<int64_t>{param.size(0), plan.rank};
+    TORCH_CHECK(state.projector().sizes().vec() == expected && state.right() == plan.right, k_who,
+                ": a saved projector of shape ", state.projector().sizes(),
+                " does not fit a parameter of shape ", param.sizes(), " at rank ", plan.rank);
+  }
+}
+
+void prepare_loaded_state(GaLoreAdamParamState& state, const at::Tensor& param,
+                          const GaLoreAdamOptions& options, const char* who,
+                          const std::string& where, bool own_storage) {
+  TORCH_CHECK(state.step() >= 0, who, ": the saved step for ", where, " is ", state.step(),
+              "; steps are >= 0");
+  check_state(state, param, plan_for(param, options));
+  const auto math = param.options().dtype(optim_detail::compute_dtype(param));
+  using optim_detail::loaded_state_tensor;
+  state.exp_avg(
+      loaded_state_tensor(state.exp_avg(), math, who, "exp_avg", where, false, own_storage));
+  state.exp_avg_sq(
+      loaded_state_tensor(state.exp_avg_sq(), math, who, "exp_avg_sq", where, true, own_storage));
+  state.projector(
+      loaded_state_tensor(state.projector(), math, who, "projector", where, false, own_storage));
+}
+
+}  // namespace galore_adam_detail
 
 void validate_options(const GaLoreAdamOptions& o) {
   optim_detail::check_adam_options(k_who, o.lr(), o.betas(), o.eps(), o.weight_decay());
@@ -169,45 +225,6 @@ namespace {
 
 const GaLoreAdamOptions& options_of(const torch::optim::OptimizerParamGroup& group) {
   return static_cast<const GaLoreAdamOptions&>(group.options());
-}
-
-struct Plan {
-  bool projected = false;
-  bool right = true;
-  int64_t rank = 0;
-  std::vector<int64_t> state_shape;
-};
-
-Plan plan_for(const at::Tensor& param, const GaLoreAdamOptions& o) {
-  Plan plan;
-  plan.state_shape = param.sizes().vec();
-  if (param.dim() != 2 || o.rank() < 1 || o.rank() >= std::min(param.size(0), param.size(1)))
-    return plan;
-  const int64_t m = param.size(0), n = param.size(1);
-  const auto& type = o.proj_type();
-  plan.projected = true;
-  plan.rank = o.rank();
-  plan.right = type == "right" || (type == "std" && m >= n) || (type == "reverse_std" && m < n);
-  plan.state_shape =
-      plan.right ? std::vector<int64_t>{m, o.rank()} : std::vector<int64_t>{o.rank(), n};
-  return plan;
-}
-
-void check_state(const GaLoreAdamParamState& state, const at::Tensor& param, const Plan& plan) {
-  for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq()})
-    TORCH_CHECK(t->defined() && t->sizes().vec() == plan.state_shape, k_who,
-                ": the state of a parameter of shape ", param.sizes(), " has moments of shape ",
-                t->defined() ? t->sizes() : c10::IntArrayRef{}, " but its group's options need ",
-                c10::IntArrayRef(plan.state_shape),
-                " (were rank or proj_type changed after training started?)");
-  if (plan.projected && state.projector().defined()) {
-    const std::vector<int64_t> expected = plan.right
-                                              ? std::vector<int64_t>{plan.rank, param.size(1)}
-                                              : std::vector<int64_t>{param.size(0), plan.rank};
-    TORCH_CHECK(state.projector().sizes().vec() == expected && state.right() == plan.right, k_who,
-                ": a saved projector of shape ", state.projector().sizes(),
-                " does not fit a parameter of shape ", param.sizes(), " at rank ", plan.rank);
-  }
 }
 
 // The state the update uses must live where the parameter does, in its math type, contiguous.
@@ -362,7 +379,8 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
       auto it = state_.find(param.unsafeGetTensorImpl());
       check_options_fit(
           param, options,
-          (it == state_.end() ? 0 : static_cast<const GaLoreAdamParamState&>(*it->second).step()) + 1);
+          (it == state_.end() ? 0 : static_cast<const GaLoreAdamParamState&>(*it->second).step()) +
+              1);
       if (it != state_.end()) {
         const auto& state = static_cast<const GaLoreAdamParamState&>(*it->second);
         check_state(state, param, plan);
@@ -491,38 +509,14 @@ void GaLoreAdam::load(torch::serialize::InputArchive& archive) {
     }
     optim_detail::check_param_digests(*this, archive, k_who);
   }
-  // Where each parameter is, for messages.
-  std::unordered_map<const void*, std::pair<size_t, size_t>> position;
-  for (const auto i : c10::irange(param_groups().size()))
-    for (const auto j : c10::irange(param_groups()[i].params().size()))
-      position[param_groups()[i].params()[j].unsafeGetTensorImpl()] = {i, j};
+  const auto where = optim_detail::param_positions(*this);
   const auto counters = optim_detail::load_checkpoint<GaLoreAdamOptions, GaLoreAdamParamState>(
       *this, archive, k_format, counter_names, k_who,
-      [&](GaLoreAdamParamState& state, const at::Tensor& param, const GaLoreAdamOptions& options) {
-        const auto& at_position = position.at(param.unsafeGetTensorImpl());
-        const size_t i = at_position.first, j = at_position.second;
-        TORCH_CHECK(state.step() >= 0, k_who, "::load: the checkpoint's step ", state.step(),
-                    " for parameter ", j, " of group ", i,
-                    " is invalid (steps are >= 0); the checkpoint is corrupt");
-        check_state(state, param, plan_for(param, options));
-        const auto target = param.options().dtype(optim_detail::compute_dtype(param));
-        state.exp_avg(state.exp_avg().to(target).contiguous());
-        state.exp_avg_sq(state.exp_avg_sq().to(target).contiguous());
-        if (state.projector().defined()) state.projector(state.projector().to(target).contiguous());
-        // In the dtype the steps will use: a finite float64 value can overflow float32.
-        const std::pair<const char*, const at::Tensor*> tensors[] = {
-            {"exp_avg", &state.exp_avg()},
-            {"exp_avg_sq", &state.exp_avg_sq()},
-            {"projector", &state.projector()}};
-        for (const auto& [name, t] : tensors) {
-          if (!t->defined()) continue;
-          TORCH_CHECK(optim_detail::all_finite({*t}), k_who, "::load: the checkpoint's ", name,
-                      " for parameter ", j, " of group ", i, " is not finite (a NaN or infinity",
-                      " in ", t->scalar_type(), "); the checkpoint is corrupt");
-        }
-        TORCH_CHECK(!(state.exp_avg_sq() < 0).any().item<bool>(), k_who,
-                    "::load: the checkpoint's exp_avg_sq for parameter ", j, " of group ", i,
-                    " has negative values (second moments are >= 0); the checkpoint is corrupt");
+      [&where](GaLoreAdamParamState& state, const at::Tensor& param,
+               const GaLoreAdamOptions& options) {
+        galore_adam_detail::prepare_loaded_state(state, param, options, "gwt::GaLoreAdam::load",
+                                                 where.at(param.unsafeGetTensorImpl()),
+                                                 /*own_storage=*/false);
       },
       check_options_fit);
   skipped_steps_ = counters.at("skipped_steps");

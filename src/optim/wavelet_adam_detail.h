@@ -45,5 +45,15 @@ void check_state(const WaveletAdamParamState& state, const at::Tensor& param, co
 /// dtype (optim_detail::check_options_fit); step() and load() check it.
 void check_options_fit(const at::Tensor& param, const WaveletAdamOptions& o, int64_t next_step);
 
+/// Checks a saved state against its parameter and options (the shapes the options give, a step
+/// and a skip count >= 0, floating-point moments and limiter norm that are finite in the dtype the
+/// steps use, second moment and norm >= 0) and converts its tensors to that dtype and the
+/// parameter's device (optim_detail::loaded_state_tensor). WaveletAdam::load does this with a
+/// checkpoint's state and the Python package's load_state_dict with a state_dict's; `who` and
+/// `where` name the caller and the parameter in messages. Changes only `state`.
+void prepare_loaded_state(WaveletAdamParamState& state, const at::Tensor& param,
+                          const WaveletAdamOptions& options, const char* who,
+                          const std::string& where, bool own_storage);
+
 }  // namespace wavelet_adam_detail
 }  // namespace gwt

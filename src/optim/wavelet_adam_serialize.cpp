@@ -23,25 +23,6 @@ c10::IValue read_value(torch::serialize::InputArchive& archive, const std::strin
 }
 constexpr const char* k_format = "gwt.WaveletAdam.v1";
 
-// What a checkpoint's state must hold before it is used, checked in the dtypes the optimizer will
-// use (a finite float64 value may overflow float32): moments of a floating type, finite, second
-// moments >= 0, and a limiter norm that is finite and >= 0 (check_state has the shapes and the
-// step count).
-void check_loaded_values(const WaveletAdamParamState& state, const at::Tensor& param) {
-  auto fail = [&](const char* name, const char* problem) {
-    TORCH_CHECK(false, "gwt::WaveletAdam::load: the checkpoint's ", name,
-                " for the parameter of shape ", param.sizes(), " ", problem,
-                "; the checkpoint is corrupt (or from a diverged run)");
-  };
-  auto check = [&](const at::Tensor& t, const char* name, bool non_negative) {
-    if (!t.defined()) return;
-    if (!at::isfinite(t).all().item<bool>()) fail(name, "holds a NaN or an infinity");
-    if (non_negative && (t < 0).any().item<bool>()) fail(name, "holds a negative value");
-  };
-  check(state.exp_avg(), "exp_avg", false);
-  check(state.exp_avg_sq(), "exp_avg_sq (second moment, >= 0)", true);
-  check(state.norm(), "limiter norm (>= 0)", true);
-}
 }  // namespace
 
 void WaveletAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -68,7 +49,7 @@ void WaveletAdamParamState::serialize(torch::serialize::InputArchive& archive) {
   norm(read_value(archive, "has_norm", what).toBool() ? read_tensor("norm") : at::Tensor());
   c10::IValue skipped_value;  // absent from checkpoints before nonfinite("skip_param")
   skipped(archive.try_read("skipped", skipped_value) && skipped_value.isInt()
-              ? std::max<int64_t>(0, skipped_value.toInt())
+              ? skipped_value.toInt()
               : 0);
 }
 
@@ -80,6 +61,28 @@ bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& r
          same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.norm(), rhs.norm()) &&
          lhs.skipped() == rhs.skipped();
 }
+
+namespace wavelet_adam_detail {
+
+void prepare_loaded_state(WaveletAdamParamState& state, const at::Tensor& param,
+                          const WaveletAdamOptions& options, const char* who,
+                          const std::string& where, bool own_storage) {
+  check_state(state, param, plan_for(param, options));
+  TORCH_CHECK(state.skipped() >= 0, who, ": the saved skipped count for ", where, " is ",
+              state.skipped(), "; it counts steps (>= 0)");
+  const auto moments = param.options().dtype(state_dtype(param, options));
+  const auto math = param.options().dtype(optim_detail::compute_dtype(param));
+  using optim_detail::loaded_state_tensor;
+  state.exp_avg(
+      loaded_state_tensor(state.exp_avg(), moments, who, "exp_avg", where, false, own_storage));
+  state.exp_avg_sq(loaded_state_tensor(state.exp_avg_sq(), moments, who, "exp_avg_sq", where, true,
+                                       own_storage));
+  state.norm(
+      loaded_state_tensor(state.norm(), math, who, "limiter norm", where, true, own_storage));
+  if (state.norm().defined()) state.norm(state.norm().reshape({}));
+}
+
+}  // namespace wavelet_adam_detail
 
 void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
   optim_detail::save_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
@@ -96,23 +99,14 @@ void WaveletAdam::load(torch::serialize::InputArchive& archive) {
   c10::IValue format;
   if (archive.try_read("format", format) && format.isString() && format.toStringRef() == k_format)
     optim_detail::check_param_digests(*this, archive, "gwt::WaveletAdam");
+  const auto where = optim_detail::param_positions(*this);
   const auto counters = optim_detail::load_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
       *this, archive, k_format, {"skipped_steps"}, "gwt::WaveletAdam",
-      [](WaveletAdamParamState& state, const at::Tensor& param, const WaveletAdamOptions& options) {
-        check_state(state, param, plan_for(param, options));
-        for (const at::Tensor* t : {&state.exp_avg(), &state.exp_avg_sq(), &state.norm()})
-          TORCH_CHECK(!t->defined() || t->is_floating_point(),
-                      "gwt::WaveletAdam::load: the checkpoint's state for the parameter of shape ",
-                      param.sizes(), " holds a ", t->scalar_type(),
-                      " tensor (moments and limiter norm are floating point)");
-        const auto moments = param.options().dtype(state_dtype(param, options));
-        state.exp_avg(state.exp_avg().to(moments).contiguous());
-        state.exp_avg_sq(state.exp_avg_sq().to(moments).contiguous());
-        if (state.norm().defined())
-          state.norm(state.norm()
-                         .to(param.options().dtype(optim_detail::compute_dtype(param)))
-                         .reshape({}));
-        check_loaded_values(state, param);
+      [&where](WaveletAdamParamState& state, const at::Tensor& param,
+               const WaveletAdamOptions& options) {
+        wavelet_adam_detail::prepare_loaded_state(state, param, options, "gwt::WaveletAdam::load",
+                                                  where.at(param.unsafeGetTensorImpl()),
+                                                  /*own_storage=*/false);
       },
       [](const at::Tensor& param, const WaveletAdamOptions& options, int64_t next_step) {
         // As add_param_group does for every parameter, with state or without (a parameter without
