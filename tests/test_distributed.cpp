@@ -272,6 +272,32 @@ void scenario_bad_grad() {
   save_values(values(p), rank_file("params", rank));
 }
 
+// Options that differ between the ranks: at construction, and a learning rate changed on one rank
+// only before a step. Each is an error on every rank.
+void scenario_options_differ() {
+  auto pg = gwt::distributed::init_from_env("gloo");
+  const int64_t rank = pg->getRank(), world = pg->getSize();
+  Problem p = make_problem();
+  std::string construction = "no error", step = "no error";
+  try {
+    ShardedWaveletAdam opt(pg, p.params, rank == 1 ? options().lr(2e-2) : options());
+  } catch (const c10::Error& e) {
+    construction = e.what_without_backtrace();
+  }
+  ShardedWaveletAdam opt(pg, p.params, options());
+  loss(p, rank, world).backward();
+  if (rank == 1) opt.param_groups()[0].options().set_lr(2e-2);
+  const std::vector<at::Tensor> before = values(p);
+  try {
+    opt.step();
+  } catch (const c10::Error& e) {
+    step = e.what_without_backtrace();
+  }
+  write_text(rank_file("construction", rank), construction);
+  write_text(rank_file("step", rank), step);
+  write_text(rank_file("unchanged", rank), bit_equal(values(p), before) ? "yes" : "no");
+}
+
 // Several groups in another order than the gradients were averaged in, compression combined
 // with sharding: (a) every rank's WaveletAdam after all_reduce_gradients with the wavelet
 // compression, (b) ShardedWaveletAdam after the same call, which must find the gradients averaged
@@ -461,6 +487,8 @@ int worker(const std::string& scenario) {
       scenario_bad_grad();
     else if (scenario == "groups")
       scenario_groups();
+    else if (scenario == "options_differ")
+      scenario_options_differ();
     else if (scenario == "ckpt_memory")
       scenario_ckpt_memory();
 #ifdef GWT_DIST_TEST_LM
@@ -692,6 +720,20 @@ TEST(Distributed, ShardedErrorOnOneRankChangesNothingOnAnyRank) {
         << "rank " << r << " changed its parameters or state in the step that raised";
     EXPECT_LT(max_diff(load_values(d, rank_file("params", r)), want), 1e-9)
         << "rank " << r << ": the good steps after the error vs one process";
+  }
+  fs::remove_all(d);
+}
+
+TEST(Distributed, OptionsThatDifferBetweenTheRanksAreAnErrorOnEveryRank) {
+  const std::string d = run_in_fresh_dir("options_differ", 2);
+  if (d.empty()) return;
+  for (int64_t r = 0; r < 2; ++r) {
+    for (const char* when : {"construction", "step"}) {
+      const std::string message = read_text(d, rank_file(when, r));
+      EXPECT_NE(message.find("options differ between the ranks"), std::string::npos)
+          << "rank " << r << " at " << when << ": " << message;
+    }
+    EXPECT_EQ(read_text(d, rank_file("unchanged", r)), "yes") << "rank " << r;
   }
   fs::remove_all(d);
 }

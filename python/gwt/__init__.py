@@ -3,9 +3,13 @@
 The optimizers and transforms of gwt's C++ library, bound for Python::
 
     import gwt
-    opt = gwt.WaveletAdam(model.parameters(), lr=1e-3)   # was torch.optim.AdamW(...)
+    # was torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-8)
+    opt = gwt.WaveletAdam(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-8,
+                          norm_growth_limit=0)
 
-See README.md (python/) for the options and what is exact to what.
+gwt.WaveletAdam's own defaults differ from AdamW's (weight_decay 0, eps 1e-6, norm-growth limiter
+on): pass AdamW's, as here, where they are meant. See README.md (python/) for the options and what
+is exact to what.
 """
 
 import torch  # (loads LibTorch before the extension module)

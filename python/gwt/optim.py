@@ -16,6 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import _C
+from ._checks import OPTIMIZER_HINT, check_plain, is_plain
 
 __all__ = ["WaveletAdam", "GaLoreAdam"]
 
@@ -61,11 +62,13 @@ class _CppOptimizer(Optimizer):
     # -- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Adds a group (its own options, the defaults for the rest) after the C++ optimizer has
-        checked it: options in range, parameters float64/float32/float16/bfloat16 leaf tensors, in
-        no other group. A ValueError (TypeError for an option of the wrong type) leaves the
-        optimizer as it was."""
+        checked it: options in range, parameters float64/float32/float16/bfloat16 leaf tensors on
+        the CPU or a CUDA device, in no other group. A ValueError (TypeError for an option of the
+        wrong type, or a tensor subclass such as FSDP2's DTensor parameters) leaves the optimizer as
+        it was."""
         super().add_param_group(param_group)
         try:
+            self._check_tensors(len(self.param_groups) - 1, grads=False)
             getattr(_C, self._prefix + "_check_group")(self.param_groups[-1])
         except BaseException:
             self.param_groups.pop()
@@ -78,16 +81,30 @@ class _CppOptimizer(Optimizer):
 
         A step whose gradients hold a NaN or an infinity changes nothing and counts in
         ``skipped_steps()`` (with ``nonfinite="skip_param"``, only that parameter is skipped).
-        Errors (bad options, a gradient of another shape, state that does not fit) raise before
-        any parameter or state changes."""
+        Errors (bad options, a gradient of another shape or a tensor subclass, state that does not
+        fit) raise before any parameter or state changes."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for i in range(len(self.param_groups)):
+            self._check_tensors(i, grads=True)
         increments = getattr(_C, self._prefix + "_step")(self.param_groups, self.state)
         for name, value in increments.items():
             self._counters[name] += value
         return loss
+
+    def _check_tensors(self, i: int, grads: bool) -> None:
+        """Raises unless group i's parameters (and, with ``grads``, their gradients) are tensors
+        the kernels can address (see _checks)."""
+        for j, p in enumerate(self.param_groups[i]["params"]):
+            grad = p.grad if grads else None
+            if is_plain(p) and (grad is None or is_plain(grad)):
+                continue
+            name, where = type(self).__name__, f"parameter {j} of group {i}"
+            check_plain(p, f"gwt.{name}: {where}", OPTIMIZER_HINT)
+            if grad is not None:
+                check_plain(grad, f"gwt.{name}.step: the gradient of {where}", OPTIMIZER_HINT)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -100,10 +117,12 @@ class _CppOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads what state_dict() returned (also through torch.save/torch.load). The state keeps its
-        dtypes (torch's own load would cast the moments to the parameters' dtype) and moves to the
-        parameters' devices; the C++ optimizer checks all of it first (shapes for the options,
-        finite moments, second moments >= 0, dtypes), and a checkpoint that does not fit raises
-        with the optimizer unchanged."""
+        dtypes (torch's own load would cast the moments to the parameters' dtype; the options'
+        state_dtype decides) and moves to the parameters' devices, each tensor copied once (the
+        optimizer never updates the state_dict's own tensors). The C++ library checks all of it
+        first, as its own checkpoint loader does (shapes for the options, finite moments, second
+        moments >= 0, dtypes), and a state_dict that does not fit raises with the optimizer
+        unchanged."""
         counters = {}
         for name in self._counter_names:
             value = state_dict.get(name, 0)
@@ -116,10 +135,10 @@ class _CppOptimizer(Optimizer):
         try:
             super().load_state_dict(hidden)
             state = {p: _unhide(s) for p, s in self.state.items()}
-            # Through the C++ optimizer's own checkpoint loader: what it checks and converts, a
-            # Python checkpoint gets too.
-            data = getattr(_C, self._prefix + "_save")(self.param_groups, state, counters)
-            self._adopt(getattr(_C, self._prefix + "_load")(self.param_groups, data))
+            # Checked and converted on the tensors where they are, as the C++ checkpoint loader
+            # checks and converts a checkpoint's (no archive written and read back).
+            self._adopt(getattr(_C, self._prefix + "_load_state")(self.param_groups, state,
+                                                                   counters))
             # Entries torch keeps that belong to no parameter.
             for key, value in state.items():
                 if not isinstance(key, torch.Tensor):
@@ -183,8 +202,14 @@ class _CppOptimizer(Optimizer):
 
 class WaveletAdam(_CppOptimizer):
     r"""Adam with its moments kept only on the wavelet approximation subband of each eligible
-    gradient (GWT, arXiv 2501.07237): gwt's C++ ``gwt::WaveletAdam``, a drop-in for
-    ``torch.optim.AdamW``.
+    gradient (GWT, arXiv 2501.07237): gwt's C++ ``gwt::WaveletAdam``. It takes the place of
+    ``torch.optim.AdamW`` in a training loop (param groups, ``state_dict``, LR schedulers), but its
+    defaults are not AdamW's: ``weight_decay=0`` (AdamW: 0.01), ``eps=1e-6`` (AdamW: 1e-8) and the
+    norm-growth limiter on (``norm_growth_limit=1.01``; AdamW has none, 0 turns it off). Pass
+    ``weight_decay`` and ``eps`` to match an AdamW setup. The update differs in two details as
+    well: the bias correction is folded into the step size, so eps is added to the uncorrected
+    ``sqrt(v)`` (AdamW adds it to the corrected one), and the decoupled decay follows the update
+    (AdamW's precedes it).
 
     A parameter takes the wavelet path when ``level > 0``, it has at least two dimensions and at
     least ``2**level`` elements along ``dim`` (and, with ``min_size``, both of its last two

@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/irange.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -38,6 +39,11 @@
 #include "gwt/transform.h"
 #include "gwt/version.h"
 #include "gwt/wavelet.h"
+// Internal (not installed): the optimizers' own checks of a loaded state, which load_state applies
+// to a Python state_dict's tensors where they are.
+#include "../../src/optim/common.h"
+#include "../../src/optim/galore_adam_detail.h"
+#include "../../src/optim/wavelet_adam_detail.h"
 
 namespace py = pybind11;
 
@@ -134,6 +140,7 @@ void adam_state_to(const State& s, py::dict& d) {
   d["exp_avg_sq"] = s.exp_avg_sq();
 }
 
+
 struct WaveletAdamTraits {
   using Optimizer = gwt::WaveletAdam;
   using Options = gwt::WaveletAdamOptions;
@@ -212,9 +219,27 @@ struct WaveletAdamTraits {
     }
   }
 
+  // What WaveletAdam::load checks of a checkpoint's state and how it converts it (one function
+  // for both), on a Python state_dict's tensors, copied once into storage of their own; then the
+  // options must fit the next step.
+  static void prepare_loaded(const Optimizer& /*opt*/, State& s, const at::Tensor& param,
+                             const Options& o, const std::string& where) {
+    gwt::wavelet_adam_detail::prepare_loaded_state(s, param, o, k_who, where,
+                                                   /*own_storage=*/true);
+    // The thresholding report is of the steps since the optimizer was made or loaded, as in C++.
+    s.kept_details(-1).total_details(-1);
+    fits(param, o, s.step() + 1);
+  }
+
+  static void fits(const at::Tensor& param, const Options& o, int64_t next_step) {
+    gwt::wavelet_adam_detail::check_options_fit(param, o, next_step);
+  }
+
   static std::map<std::string, int64_t> counters(const Optimizer& opt) {
     return {{"skipped_steps", opt.skipped_steps()}};
   }
+
+  static constexpr const char* k_who = "gwt.WaveletAdam.load_state_dict";
 };
 
 struct GaLoreAdamTraits {
@@ -275,9 +300,24 @@ struct GaLoreAdamTraits {
     d["right"] = s.right();
   }
 
+  // What GaLoreAdam::load checks of a checkpoint's state and how it converts it (one function
+  // for both), on a Python state_dict's tensors, copied once into storage of their own; then the
+  // options must fit the next step.
+  static void prepare_loaded(const Optimizer& /*opt*/, State& s, const at::Tensor& param,
+                             const Options& o, const std::string& where) {
+    gwt::galore_adam_detail::prepare_loaded_state(s, param, o, k_who, where, /*own_storage=*/true);
+    fits(param, o, s.step() + 1);
+  }
+
+  static void fits(const at::Tensor& param, const Options& o, int64_t next_step) {
+    gwt::galore_adam_detail::check_options_fit(param, o, next_step);
+  }
+
   static std::map<std::string, int64_t> counters(const Optimizer& opt) {
     return {{"skipped_steps", opt.skipped_steps()}, {"svd_fallbacks", opt.svd_fallbacks()}};
   }
+
+  static constexpr const char* k_who = "gwt.GaLoreAdam.load_state_dict";
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -387,42 +427,24 @@ void check_group(const py::dict& group) {
   as_value_error([&] { return build<Traits>(groups, py::none()).params.size(); });
 }
 
-// The C++ checkpoint (what torch::save(optimizer, path) writes) of the Python groups and state: to
-// `path`, or returned as bytes when path is None.
+// Writes the C++ checkpoint (what torch::save(optimizer, path) writes) of the Python groups and
+// state to `path`.
 template <typename Traits>
-py::object save_archive(const py::list& groups, const py::object& state,
-                        const std::map<std::string, int64_t>& counters,
-                        const std::optional<std::string>& path) {
+void save_archive(const py::list& groups, const py::object& state,
+                  const std::map<std::string, int64_t>& counters, const std::string& path) {
   Engine<Traits> engine = build<Traits>(groups, state);
   torch::serialize::OutputArchive archive;
   engine.optimizer->save(archive);
   // The counters of this run (the engine's own are zero): an archive entry written again takes the
   // new value.
   for (const auto& [name, value] : counters) archive.write(name, c10::IValue(value));
-  if (path) {
-    archive.save_to(*path);
-    return py::none();
-  }
-  std::ostringstream out;
-  archive.save_to(out);
-  return py::bytes(out.str());
+  archive.save_to(path);
 }
 
-// Loads a C++ checkpoint (a path, or bytes from save_archive) into a C++ optimizer over `groups`
-// (which checks all of it first: shapes, dtypes, finite values, parameter order) and returns what
-// Python keeps: the options of each group (list of dicts), the state of each parameter with one
-// (list, None for none), and the counters.
+// What Python keeps of the C++ optimizer after a load: the options of each group (list of dicts),
+// the state of each parameter with one (list, None for none), and the counters.
 template <typename Traits>
-py::tuple load_archive(const py::list& groups, const py::object& source) {
-  Engine<Traits> engine = build<Traits>(groups, py::none());
-  torch::serialize::InputArchive archive;
-  if (py::isinstance<py::bytes>(source)) {
-    const std::string data = source.cast<std::string>();
-    archive.load_from(data.data(), data.size());
-  } else {
-    archive.load_from(py::str(source).cast<std::string>());
-  }
-  engine.optimizer->load(archive);
+py::tuple loaded(const Engine<Traits>& engine, const std::map<std::string, int64_t>& counters) {
   py::list options;
   for (const auto& group : engine.optimizer->param_groups()) {
     py::dict d;
@@ -441,7 +463,49 @@ py::tuple load_archive(const py::list& groups, const py::object& source) {
     Traits::state_to(static_cast<const typename Traits::State&>(*it->second), d);
     states.append(d);
   }
-  return py::make_tuple(options, states, counters_dict(Traits::counters(*engine.optimizer)));
+  return py::make_tuple(options, states, counters_dict(counters));
+}
+
+// Loads the C++ checkpoint at `path` into a C++ optimizer over `groups` (which checks all of it
+// first: shapes, dtypes, finite values, parameter order) and returns what Python keeps (loaded()).
+template <typename Traits>
+py::tuple load_archive(const py::list& groups, const std::string& path) {
+  Engine<Traits> engine = build<Traits>(groups, py::none());
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  engine.optimizer->load(archive);
+  return loaded(engine, Traits::counters(*engine.optimizer));
+}
+
+// A Python state_dict loaded (load_state_dict): `groups` hold its options, `state` (keyed by
+// parameter) its state, `counters` its counters. Checks and converts them as the C++ loader does a
+// checkpoint's (Traits::prepare_loaded), on the tensors where they are: no checkpoint is written
+// and read back, and each state tensor is copied once, into the dtype and onto the device the
+// optimizer keeps it in. Returns what Python keeps (loaded()); throws before Python changes
+// anything.
+template <typename Traits>
+py::tuple load_state(const py::list& groups, const py::object& state,
+                     const std::map<std::string, int64_t>& counters) {
+  Engine<Traits> engine = build<Traits>(groups, state);  // checks the options
+  auto& opt = *engine.optimizer;
+  for (const auto i : c10::irange(opt.param_groups().size())) {
+    const auto& group = opt.param_groups()[i];
+    const auto& options = static_cast<const typename Traits::Options&>(group.options());
+    for (const auto j : c10::irange(group.params().size())) {
+      const at::Tensor& param = group.params()[j];
+      auto it = opt.state().find(param.unsafeGetTensorImpl());
+      if (it == opt.state().end()) {
+        Traits::fits(param, options, 1);
+        continue;
+      }
+      Traits::prepare_loaded(opt, static_cast<typename Traits::State&>(*it->second), param,
+                             options, gwt::optim_detail::param_where(i, j, param));
+    }
+  }
+  for (const auto& [name, value] : counters)
+    TORCH_CHECK(value >= 0, Traits::k_who, ": the state_dict's ", name, " is ", value,
+                "; it counts events (>= 0)");
+  return loaded(engine, counters);
 }
 
 // Test helper, a code path of its own: one C++ optimizer that keeps its state in C++ across
@@ -485,97 +549,136 @@ void bind_optimizer(py::module_& m, const std::string& prefix) {
   m.def((prefix + "_step").c_str(), &step<Traits>, py::arg("groups"), py::arg("state"));
   m.def((prefix + "_check_group").c_str(), &check_group<Traits>, py::arg("group"));
   m.def((prefix + "_save").c_str(), &save_archive<Traits>, py::arg("groups"), py::arg("state"),
-        py::arg("counters"), py::arg("path") = py::none());
-  m.def((prefix + "_load").c_str(), &load_archive<Traits>, py::arg("groups"), py::arg("source"));
+        py::arg("counters"), py::arg("path"));
+  m.def((prefix + "_load").c_str(), &load_archive<Traits>, py::arg("groups"), py::arg("path"));
+  m.def((prefix + "_load_state").c_str(), &load_state<Traits>, py::arg("groups"),
+        py::arg("state"), py::arg("counters"));
   m.def(("_run_cpp_" + prefix).c_str(), &run_cpp<Traits>, py::arg("groups"), py::arg("grads"),
         py::arg("load_path") = py::none(), py::arg("save_path") = py::none());
 }
 
 // ------------------------------------------------------------------------------------------------
-// gwt::nn::DeltaLinear: the C++ module behind gwt.nn.DeltaLinear (python/gwt/nn.py). The Python
-// module owns the parameters; before each call it hands them to the C++ module (set), whose members
-// then are those very tensors, so that autograd, optimizers and state_dict see the Python ones.
+// gwt::nn::DeltaLinear: the stateless delta_linear_* functions behind gwt.nn.DeltaLinear
+// (python/gwt/nn.py). The Python module's parameters and buffer are all its state; each call takes
+// them (weight, bias, U, V, reflections, core: None where absent) and returns new tensors, so the
+// module copies, pickles and runs in several threads as any torch module.
 // ------------------------------------------------------------------------------------------------
 
-using DeltaLinearImpl = gwt::nn::DeltaLinearImpl;
+using OptTensor = std::optional<at::Tensor>;
 
-std::shared_ptr<DeltaLinearImpl> make_delta_linear(const at::Tensor& weight,
-                                                   const std::optional<at::Tensor>& bias,
-                                                   int64_t rank, int64_t reflections,
-                                                   bool orthogonal_core, double alpha,
-                                                   bool gram_schmidt, bool train_base) {
-  return as_value_error([&] {
-    TORCH_CHECK(weight.dim() == 2,
-                "gwt::nn::DeltaLinear: the base weight must be 2-D [out, in], "
-                "got ",
-                weight.sizes());
-    const int64_t out = weight.size(0), in = weight.size(1);
-    // A Linear holder around the given tensors (DeltaLinearImpl reads its weight and bias).
-    torch::nn::Linear base(torch::nn::LinearOptions(in, out).bias(bias.has_value()));
-    base->weight = weight;
-    base->bias = bias ? *bias : at::Tensor();
-    return std::make_shared<DeltaLinearImpl>(base, gwt::nn::DeltaLinearOptions(in, out)
-                                                       .rank(rank)
-                                                       .reflections(reflections)
-                                                       .orthogonal_core(orthogonal_core)
-                                                       .alpha(alpha)
-                                                       .gram_schmidt(gram_schmidt)
-                                                       .train_base(train_base));
-  });
+gwt::nn::DeltaLinearState delta_state(const at::Tensor& weight, const OptTensor& bias,
+                                      const OptTensor& U, const OptTensor& V,
+                                      const OptTensor& reflections, const OptTensor& core,
+                                      double scaling) {
+  return {weight,
+          bias.value_or(at::Tensor()),
+          U.value_or(at::Tensor()),
+          V.value_or(at::Tensor()),
+          reflections.value_or(at::Tensor()),
+          core.value_or(at::Tensor()),
+          scaling};
 }
 
-std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+OptTensor defined_or_none(const at::Tensor& t) {
+  return t.defined() ? OptTensor(t) : std::nullopt;
+}
+
+gwt::nn::DeltaLinearOptions delta_options(const at::Tensor& weight, int64_t rank,
+                                          int64_t reflections, bool orthogonal_core, double alpha,
+                                          bool gram_schmidt) {
+  TORCH_CHECK(weight.dim() == 2,
+              "gwt::nn::DeltaLinear: the base weight must be 2-D [out, in], got ", weight.sizes());
+  return gwt::nn::DeltaLinearOptions(weight.size(1), weight.size(0))
+      .rank(rank)
+      .reflections(reflections)
+      .orthogonal_core(orthogonal_core)
+      .alpha(alpha)
+      .gram_schmidt(gram_schmidt);
 }
 
 void bind_delta_linear(py::module_& m) {
-  using Opt = std::optional<at::Tensor>;
-  py::class_<DeltaLinearImpl, std::shared_ptr<DeltaLinearImpl>>(m, "_DeltaLinear")
-      .def(py::init(&make_delta_linear), py::arg("weight"), py::arg("bias"), py::arg("rank"),
-           py::arg("reflections"), py::arg("orthogonal_core"), py::arg("alpha"),
-           py::arg("gram_schmidt"), py::arg("train_base"))
-      .def("tensors",
-           [](const DeltaLinearImpl& self) {
-             return std::make_tuple(defined_or_none(self.weight), defined_or_none(self.bias),
-                                    defined_or_none(self.U), defined_or_none(self.V),
-                                    defined_or_none(self.reflections), defined_or_none(self.core));
-           })
-      .def(
-          "set",
-          [](DeltaLinearImpl& self, const at::Tensor& weight, const Opt& bias, const Opt& U,
-             const Opt& V, const Opt& reflections, const Opt& core) {
-            self.weight = weight;
-            self.bias = bias.value_or(at::Tensor());
-            self.U = U.value_or(at::Tensor());
-            self.V = V.value_or(at::Tensor());
-            self.reflections = reflections.value_or(at::Tensor());
-            self.core = core.value_or(at::Tensor());
-          },
-          py::arg("weight"), py::arg("bias"), py::arg("U"), py::arg("V"), py::arg("reflections"),
-          py::arg("core"))
-      .def("forward", &DeltaLinearImpl::forward, py::arg("x"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("merge",
-           [](const DeltaLinearImpl& self) {
-             py::gil_scoped_release no_gil;
-             torch::nn::Linear merged = self.merge();
-             return std::make_pair(merged->weight, defined_or_none(merged->bias));
-           })
-      .def("delta_weight", &DeltaLinearImpl::delta_weight, py::call_guard<py::gil_scoped_release>())
-      .def("orthogonality_error",
-           [](const DeltaLinearImpl& self) {
-             const auto e = self.orthogonality_error();
-             return std::make_pair(e.reflections, e.core);
-           })
-      .def("orthogonality_penalty", &DeltaLinearImpl::orthogonality_penalty, py::arg("lambda_"))
-      .def(
-          "resize_rank",
-          [](DeltaLinearImpl& self, int64_t k) {
-            return as_value_error([&] { return self.resize_rank(k); });
-          },
-          py::arg("k"))
-      .def("rank", &DeltaLinearImpl::rank)
-      .def("scaling", &DeltaLinearImpl::scaling);
+  m.def(
+      "_delta_init",
+      [](const at::Tensor& weight, const OptTensor& bias, int64_t rank, int64_t reflections,
+         bool orthogonal_core, double alpha, bool gram_schmidt) {
+        const auto s = as_value_error([&] {
+          return gwt::nn::delta_linear_init(
+              weight, bias.value_or(at::Tensor()),
+              delta_options(weight, rank, reflections, orthogonal_core, alpha, gram_schmidt));
+        });
+        return std::make_tuple(s.U, s.V, defined_or_none(s.reflections), defined_or_none(s.core),
+                               s.scaling);
+      },
+      py::arg("weight"), py::arg("bias"), py::arg("rank"), py::arg("reflections"),
+      py::arg("orthogonal_core"), py::arg("alpha"), py::arg("gram_schmidt"));
+  m.def(
+      "_delta_forward",
+      [](const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& U,
+         const OptTensor& V, const OptTensor& reflections, const OptTensor& core, double scaling,
+         bool gram_schmidt) {
+        return gwt::nn::delta_linear_forward(
+            x, delta_state(weight, bias, U, V, reflections, core, scaling), gram_schmidt);
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("U"), py::arg("V"),
+      py::arg("reflections"), py::arg("core"), py::arg("scaling"), py::arg("gram_schmidt"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_delta_weight",
+      [](const at::Tensor& weight, const OptTensor& bias, const OptTensor& U, const OptTensor& V,
+         const OptTensor& reflections, const OptTensor& core, double scaling) {
+        return gwt::nn::delta_linear_delta_weight(
+            delta_state(weight, bias, U, V, reflections, core, scaling));
+      },
+      py::arg("weight"), py::arg("bias"), py::arg("U"), py::arg("V"), py::arg("reflections"),
+      py::arg("core"), py::arg("scaling"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_delta_merged_weight",
+      [](const at::Tensor& weight, const OptTensor& bias, const OptTensor& U, const OptTensor& V,
+         const OptTensor& reflections, const OptTensor& core, double scaling, bool gram_schmidt) {
+        return gwt::nn::delta_linear_merged_weight(
+            delta_state(weight, bias, U, V, reflections, core, scaling), gram_schmidt);
+      },
+      py::arg("weight"), py::arg("bias"), py::arg("U"), py::arg("V"), py::arg("reflections"),
+      py::arg("core"), py::arg("scaling"), py::arg("gram_schmidt"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_delta_orthogonality_error",
+      [](const at::Tensor& weight, const OptTensor& bias, const OptTensor& U, const OptTensor& V,
+         const OptTensor& reflections, const OptTensor& core, bool gram_schmidt) {
+        const auto e = gwt::nn::delta_linear_orthogonality_error(
+            delta_state(weight, bias, U, V, reflections, core, 1.0), gram_schmidt);
+        return std::make_pair(e.reflections, e.core);
+      },
+      py::arg("weight"), py::arg("bias"), py::arg("U"), py::arg("V"), py::arg("reflections"),
+      py::arg("core"), py::arg("gram_schmidt"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_delta_orthogonality_penalty",
+      [](const at::Tensor& weight, const OptTensor& bias, const OptTensor& U, const OptTensor& V,
+         const OptTensor& reflections, const OptTensor& core, double lambda) {
+        const auto s = delta_state(weight, bias, U, V, reflections, core, 1.0);
+        return as_value_error(
+            [&] { return gwt::nn::delta_linear_orthogonality_penalty(s, lambda); });
+      },
+      py::arg("weight"), py::arg("bias"), py::arg("U"), py::arg("V"), py::arg("reflections"),
+      py::arg("core"), py::arg("lambda_"));
+  m.def(
+      "_delta_resize_rank",
+      [](const at::Tensor& weight, const OptTensor& bias, const OptTensor& U, const OptTensor& V,
+         const OptTensor& reflections, const OptTensor& core, double scaling, double alpha,
+         int64_t k) {
+        const auto r = as_value_error([&] {
+          const int64_t rank = U ? U->size(-1) : 0;
+          return gwt::nn::delta_linear_resize_rank(
+              delta_state(weight, bias, U, V, reflections, core, scaling),
+              delta_options(weight, rank, reflections ? reflections->size(-1) : 0, core.has_value(),
+                            alpha, false),
+              k);
+        });
+        return std::make_tuple(r.state.U, r.state.V, defined_or_none(r.state.core), r.state.scaling,
+                               r.error);
+      },
+      py::arg("weight"), py::arg("bias"), py::arg("U"), py::arg("V"), py::arg("reflections"),
+      py::arg("core"), py::arg("scaling"), py::arg("alpha"), py::arg("k"));
 }
 
 }  // namespace

@@ -2,6 +2,11 @@
 (bfloat16 state included), and the C++ optimizer's archive in both directions."""
 
 import io
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,3 +188,159 @@ def test_pickling_the_optimizer_keeps_its_counters():
     assert opt.skipped_steps() == 1
     copy = roundtrip(opt, weights_only=False)  # a whole object: trusted data
     assert copy.skipped_steps() == 1
+
+
+def snapshot(opt):
+    """Everything load_state_dict may change: options, state (tensors cloned) and counters."""
+    state = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for p, s in opt.state.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return state, groups, dict(opt._counters)
+
+
+def assert_same_snapshot(a, b):
+    assert a[1] == b[1] and a[2] == b[2] and a[0].keys() == b[0].keys()
+    for key in a[0]:
+        assert a[0][key].keys() == b[0][key].keys()
+        for name, v in a[0][key].items():
+            w = b[0][key][name]
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == w.dtype and torch.equal(v, w), name
+            else:
+                assert v == w, name
+
+
+def trained(cls, **options):
+    params = make_model(torch.float32)
+    opt = cls(params, **options)
+    train(opt, params, make_grads(SHAPES, 2, torch.float32, "cpu", nan_at=(1, 4)))
+    return params, opt
+
+
+OPTIMIZERS = {"WaveletAdam": (gwt.WaveletAdam, dict(nonfinite="skip_param")),
+              "GaLoreAdam": (gwt.GaLoreAdam, dict(rank=3, update_proj_gap=1))}
+
+
+@pytest.mark.parametrize("name", ["WaveletAdam", "GaLoreAdam"])
+def test_load_state_dict_round_trips_bit_exactly_into_state_of_its_own(name):
+    cls, options = OPTIMIZERS[name]
+    params, opt = trained(cls, **options)
+    sd = roundtrip(opt.state_dict())
+    kept = roundtrip(sd)
+    other = cls(params, **options)
+    other.load_state_dict(sd)
+    assert other._counters == opt._counters
+    assert snapshot(other)[1] == snapshot(opt)[1]
+    for p in params:
+        a, b = opt.state[p], other.state[p]
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == b[key].dtype and torch.equal(value, b[key]), key
+                # The optimizer's own storage: its steps update the moments in place.
+                for t in sd["state"].values():
+                    assert not any(b[key].untyped_storage().data_ptr() ==
+                                   s.untyped_storage().data_ptr()
+                                   for s in t.values() if isinstance(s, torch.Tensor))
+            else:
+                assert value == b[key], key
+    train(other, params, make_grads(SHAPES, 1, torch.float32, "cpu"))
+    assert_same_snapshot((kept["state"], 0, 0), (sd["state"], 0, 0))
+
+
+def test_load_state_dict_converts_the_moments_to_the_groups_state_dtype():
+    params, opt = trained(gwt.WaveletAdam)
+    sd = roundtrip(opt.state_dict())
+    sd["param_groups"][0]["state_dtype"] = "bfloat16"
+    other = gwt.WaveletAdam(params)
+    other.load_state_dict(sd)
+    loaded = other.state[params[0]]
+    assert loaded["exp_avg"].dtype == torch.bfloat16 and loaded["norm"].dtype == torch.float32
+    assert torch.equal(loaded["exp_avg"], sd["state"][0]["exp_avg"].bfloat16())
+
+
+def corrupt(sd, index, key, value):
+    sd["state"][index][key] = value
+
+
+WAVELET_CORRUPTIONS = {
+    "moment missing": (lambda sd: sd["state"][0].pop("exp_avg"), RuntimeError,
+                       r"moments of shape \[\] but its group's options need \[16, 16\]"),
+    "moment of another shape": (lambda sd: corrupt(sd, 1, "exp_avg", torch.zeros(8, 7)),
+                                RuntimeError, r"has moments of shape \[8, 7\]"),
+    "integer moment": (lambda sd: corrupt(sd, 0, "exp_avg_sq", torch.zeros(16, 16).long()),
+                       RuntimeError, r"exp_avg_sq for parameter 0 of group 0 \(shape \[16, 64\]\) "
+                                     r"is a Long tensor"),
+    "negative step": (lambda sd: corrupt(sd, 2, "step", -1), RuntimeError,
+                      "a saved step count is negative"),
+    "step of another type": (lambda sd: corrupt(sd, 2, "step", 1.5), TypeError,
+                             "state 'step' must be an int"),
+    "negative skipped": (lambda sd: corrupt(sd, 3, "skipped", -2), RuntimeError,
+                         r"skipped count for parameter 3 of group 0 .* is -2"),
+    "negative norm": (lambda sd: corrupt(sd, 0, "norm", torch.tensor(-1.0)), RuntimeError,
+                      r"limiter norm for parameter 0 of group 0 .* holds a negative value"),
+    "infinite norm": (lambda sd: corrupt(sd, 0, "norm", torch.tensor(float("inf"))),
+                      RuntimeError, "holds a NaN or an infinity"),
+    "float64 moment overflowing float32": (
+        lambda sd: corrupt(sd, 4, "exp_avg", torch.full((12, 2), 1e300, dtype=torch.float64)),
+        RuntimeError, r"exp_avg for parameter 4 of group 0 .* holds a NaN or an infinity"),
+    "moment on the meta device": (
+        lambda sd: corrupt(sd, 1, "exp_avg", torch.zeros(8, 6, device="meta")),
+        RuntimeError, r"exp_avg for parameter 1 of group 0 \(shape \[8, 24\]\) of shape \[8, 6\] "
+                      r"is on meta"),
+    "negative counter": (lambda sd: sd.update(skipped_steps=-1), ValueError,
+                         "skipped_steps must be an int >= 0"),
+    "lr out of range": (lambda sd: sd["param_groups"][0].update(lr=float("inf")), RuntimeError,
+                        "invalid learning rate inf"),
+}
+
+
+GALORE_CORRUPTIONS = {
+    # The shape checks are GaLoreAdam's own (galore_adam_detail::check_state), with its messages.
+    "projector of another rank": (lambda sd: corrupt(sd, 0, "projector", torch.zeros(16, 2)),
+                                  RuntimeError, r"a saved projector of shape \[16, 2\] does not "
+                                  r"fit a parameter of shape \[16, 64\] at rank 3"),
+    "projector from the other side": (lambda sd: corrupt(sd, 0, "right", True), RuntimeError,
+                                      r"a saved projector of shape .* does not fit a parameter "
+                                      r"of shape \[16, 64\] at rank 3"),
+    "moments of another rank": (lambda sd: corrupt(sd, 1, "exp_avg", torch.zeros(2, 24)),
+                                RuntimeError, r"the state of a parameter of shape \[8, 24\] has "
+                                r"moments of shape \[2, 24\] but its group's options need "
+                                r"\[3, 24\]"),
+    "negative second moment": (lambda sd: sd["state"][1]["exp_avg_sq"].fill_(-1.0), RuntimeError,
+                               "exp_avg_sq for parameter 1 of group 0 .* holds a negative value"),
+    "projector not finite": (lambda sd: sd["state"][0]["projector"].fill_(float("nan")),
+                             RuntimeError, "projector for parameter 0 of group 0 .* holds a NaN"),
+    "negative step": (lambda sd: corrupt(sd, 2, "step", -3), RuntimeError,
+                      r"step for parameter 2 of group 0 \(shape \[33\]\) is -3"),
+}
+
+
+CORRUPTIONS = {
+    **{("WaveletAdam", case): value for case, value in WAVELET_CORRUPTIONS.items()},
+    **{("GaLoreAdam", case): value for case, value in GALORE_CORRUPTIONS.items()},
+}
+@pytest.mark.parametrize("name, case", list(CORRUPTIONS))
+def test_a_bad_state_dict_raises_and_changes_nothing(name, case):
+    change, error, message = CORRUPTIONS[name, case]
+    cls, options = OPTIMIZERS[name]
+    params, opt = trained(cls, **options)
+    sd = roundtrip(opt.state_dict())
+    change(sd)
+    before = snapshot(opt)
+    with pytest.raises(error, match=message):
+        opt.load_state_dict(sd)
+    assert_same_snapshot(before, snapshot(opt))
+
+
+def test_load_state_dict_peak_memory_is_one_copy_of_the_state():
+    """The state is checked and converted where it is, not written to an archive and read back
+    (which held about four copies of it at once)."""
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks/python/load_state_memory.py"
+    if not script.exists() or not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs the repository's benchmarks/python and Linux's /proc")
+    out = subprocess.run([sys.executable, str(script), "--size", "2000"], check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    state = float(re.search(r"state: ([\d.]+) MiB", out).group(1))
+    increase = float(re.search(r"peak RSS increase ([-\d.]+) MiB", out).group(1))
+    assert increase < 1.5 * state, out

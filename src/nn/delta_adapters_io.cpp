@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <c10/util/irange.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/serialize.h>
@@ -19,13 +20,9 @@
 namespace gwt {
 namespace nn {
 
-/// What load_delta_adapters sets that no public setter does: the saved scale, and no columns of U
-/// known to be zero (the saved U is what it is).
+/// What load_delta_adapters sets that no public setter does: the saved scale.
 struct DeltaLinearAccess {
-  static void set_loaded(DeltaLinearImpl& layer, double scaling) {
-    layer.scaling_ = scaling;
-    layer.zero_from_ = -1;
-  }
+  static void set_loaded(DeltaLinearImpl& layer, double scaling) { layer.set_scaling(scaling); }
 };
 
 namespace {
@@ -106,10 +103,16 @@ void save_delta_adapters(const torch::nn::Module& module,
     entry.write("gram_schmidt", c10::IValue(o.gram_schmidt()));
     entry.write("train_base", c10::IValue(o.train_base()));
     entry.write("scaling", c10::IValue(a->scaling()));
+    // U and V of a rank-0 layer have no columns: nothing to write.
     for (const auto& [key, t] :
          {std::make_pair("U", &a->U), std::make_pair("V", &a->V),
           std::make_pair("reflection_vectors", &a->reflections), std::make_pair("core", &a->core)})
-      if (t->defined()) entry.write(key, t->detach());
+      if (t->defined() && t->numel() > 0) entry.write(key, t->detach());
+    // A trained base belongs with the adapters trained on it.
+    if (o.train_base()) {
+      entry.write("base_weight", a->weight.detach());
+      if (a->bias.defined()) entry.write("base_bias", a->bias.detach());
+    }
     archive.write("adapter_" + std::to_string(i), entry);
   }
 }
@@ -123,23 +126,36 @@ void save_delta_adapters(const torch::nn::Module& module, const std::string& pat
 namespace {
 
 // Building a replacement draws its start values (overwritten by the saved ones) from the default
-// CPU generator; its state is put back, so that a load never shifts the caller's random stream.
-class KeepCpuGeneratorState {
+// generator of its base's device; each such generator's state is put back, so that a load never
+// shifts the caller's random stream, on the CPU or on a GPU.
+class KeepGeneratorStates {
  public:
-  KeepCpuGeneratorState() : generator_(at::detail::getDefaultCPUGenerator()) {
-    std::lock_guard<std::mutex> lock(generator_.mutex());
-    state_ = generator_.get_state();
+  KeepGeneratorStates() = default;
+  KeepGeneratorStates(const KeepGeneratorStates&) = delete;
+  KeepGeneratorStates& operator=(const KeepGeneratorStates&) = delete;
+  // Records the state of `device`'s default generator, once, before its first draw.
+  void keep(const at::Device& device) {
+    for (const auto& k : kept_)
+      if (k.device == device) return;
+    at::Generator g = device.is_cpu() ? at::detail::getDefaultCPUGenerator()
+                                      : at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(g.mutex());
+    kept_.push_back({device, g, g.get_state()});
   }
-  ~KeepCpuGeneratorState() {
-    std::lock_guard<std::mutex> lock(generator_.mutex());
-    generator_.set_state(state_);
+  ~KeepGeneratorStates() {
+    for (auto& k : kept_) {
+      std::lock_guard<std::mutex> lock(k.generator.mutex());
+      k.generator.set_state(k.state);
+    }
   }
-  KeepCpuGeneratorState(const KeepCpuGeneratorState&) = delete;
-  KeepCpuGeneratorState& operator=(const KeepCpuGeneratorState&) = delete;
 
  private:
-  at::Generator generator_;
-  at::Tensor state_;
+  struct Kept {
+    at::Device device;
+    at::Generator generator;
+    at::Tensor state;
+  };
+  std::vector<Kept> kept_;
 };
 
 bool same_options(const DeltaLinearOptions& a, const DeltaLinearOptions& b) {
@@ -193,7 +209,7 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
   // reverse order, so that a base two entries share gets the value it had before the first).
   std::vector<std::pair<at::Tensor, bool>> frozen;
   std::unordered_set<std::string> names;
-  const KeepCpuGeneratorState keep_generator;
+  KeepGeneratorStates keep_generators;
   try {
     for (const auto i : c10::irange(count)) {
       torch::serialize::InputArchive entry;
@@ -249,6 +265,31 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
       if (r > 0)
         values.emplace_back(&DeltaLinearImpl::reflections,
                             read_tensor(entry, "reflection_vectors", where, {in, r}));
+      if (o.train_base()) {
+        // Archives written before the trained base was saved with its adapters have none: the
+        // layer's base is left as it is, which is said. A fresh tensor for each look: try_read hands out the archive's own tensor, and reading
+        // into a defined one would set_() that archive tensor (and every alias of it) in place.
+        auto has = [&](const char* key) {
+          at::Tensor probe;
+          return entry.try_read(key, probe);
+        };
+        if (has("base_weight")) {
+          values.emplace_back(&DeltaLinearImpl::weight,
+                              read_tensor(entry, "base_weight", where, {out, in}));
+          const bool saved_bias = has("base_bias");
+          TORCH_CHECK(saved_bias == base->bias.defined(), k_who, ": ", where, "'s trained base ",
+                      saved_bias ? "has" : "has no", " bias but layer '", name, "''s base ",
+                      base->bias.defined() ? "has one" : "has none");
+          if (saved_bias)
+            values.emplace_back(&DeltaLinearImpl::bias,
+                                read_tensor(entry, "base_bias", where, {out}));
+        } else {
+          TORCH_WARN(k_who, ": ", where,
+                     " was trained with its base (train_base) but saved without it; the base of "
+                     "layer '",
+                     name, "' is left as it is");
+        }
+      }
       const auto dot = name.rfind('.');
       torch::nn::Module* parent =
           dot == std::string::npos ? &module : modules[name.substr(0, dot)].get();
@@ -264,6 +305,7 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
       } else {
         frozen.emplace_back(base->weight, base->weight.requires_grad());
         if (base->bias.defined()) frozen.emplace_back(base->bias, base->bias.requires_grad());
+        keep_generators.keep(base->weight.device());
         adapter = DeltaLinear(base, o);
       }
       for (auto& [member, value] : values) {
@@ -277,19 +319,20 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
         const bool core = member == &DeltaLinearImpl::core;
         if (!core && member != &DeltaLinearImpl::reflections) continue;
         const bool gram_schmidt = !core && o.gram_schmidt();
-        TORCH_CHECK(detail::reflections_defined(value, gram_schmidt), k_who, ": ", where, "'s ",
-                    core ? "core" : "reflection", " vectors include one whose reflection cannot "
-                    "be computed in ", value.scalar_type(), " (",
-                    gram_schmidt ? "zero once the ones before it are projected out"
-                                 : "a zero vector",
-                    ", or one whose norm under- or overflows); the file is corrupt");
+        TORCH_CHECK(
+            detail::reflections_defined(value, gram_schmidt), k_who, ": ", where, "'s ",
+            core ? "core" : "reflection",
+            " vectors include one whose reflection cannot "
+            "be computed in ",
+            value.scalar_type(), " (",
+            gram_schmidt ? "zero once the ones before it are projected out" : "a zero vector",
+            ", or one whose norm under- or overflows); the file is corrupt");
       }
       pending.push_back({name, parent, dot == std::string::npos ? name : name.substr(dot + 1),
                          adapter, in_place, std::move(values), scaling});
     }
   } catch (...) {
-    for (auto it = frozen.rbegin(); it != frozen.rend(); ++it)
-      it->first.requires_grad_(it->second);
+    for (auto it = frozen.rbegin(); it != frozen.rend(); ++it) it->first.requires_grad_(it->second);
     throw;
   }
   std::vector<std::pair<std::string, DeltaLinear>> loaded;
@@ -309,10 +352,10 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
   return loaded;
 }
 
-std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(torch::nn::Module& module,
-                                                                     const std::string& path) {
+std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
+    torch::nn::Module& module, const std::string& path, std::optional<at::Device> device) {
   torch::serialize::InputArchive archive;
-  archive.load_from(path);
+  archive.load_from(path, device);
   return load_delta_adapters(module, archive);
 }
 

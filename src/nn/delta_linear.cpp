@@ -12,6 +12,7 @@
 #include <memory>
 #include <utility>
 
+#include "../plain_tensor.h"
 #include "delta_linear_detail.h"
 #include "gwt/nn/low_rank_linear.h"
 
@@ -22,14 +23,7 @@ namespace {
 
 constexpr const char* k_who = "gwt::nn::DeltaLinear";
 
-bool is_reduced(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16;
-}
-
-// The dtype the adapter's parameters and arithmetic use for a base of dtype `t`.
-at::ScalarType math_dtype(at::ScalarType t) {
-  return is_reduced(t) ? at::kFloat : t;
-}
+using detail::math_dtype;
 
 // Uniform in [-1/sqrt(n), 1/sqrt(n)]: [n, m], as nn::Linear initialises a layer of n inputs.
 at::Tensor uniform_vectors(int64_t n, int64_t m, const at::TensorOptions& options) {
@@ -108,8 +102,8 @@ void refuse_layer_in_container(const char* who, const std::string& layer,
     type.resize(type.size() - 4);
   TORCH_CHECK(false, who, ": layer '", layer, "' is inside a ", type,
               ", which runs its own list of modules that replace_module cannot change (the layer "
-              "would be replaced in name only, and left out of the forward); ", instead,
-              "; nothing was changed");
+              "would be replaced in name only, and left out of the forward); ",
+              instead, "; nothing was changed");
 }
 
 bool reflections_defined(const at::Tensor& vectors, bool gram_schmidt) {
@@ -124,19 +118,263 @@ bool reflections_defined(const at::Tensor& vectors, bool gram_schmidt) {
 
 }  // namespace detail
 
+namespace detail {
+
+bool is_reduced(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16;
+}
+
+at::ScalarType math_dtype(at::ScalarType t) {
+  return is_reduced(t) ? at::kFloat : t;
+}
+
+bool is_base_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || is_reduced(t);
+}
+
+void check_base(const std::string& who, const at::Tensor& w, const at::Tensor& b,
+                const DeltaLinearOptions& options) {
+  gwt::detail::check_plain_tensor(who.c_str(), "the base weight", w);
+  if (b.defined()) gwt::detail::check_plain_tensor(who.c_str(), "the base bias", b);
+  TORCH_CHECK(w.dim() == 2, who, ": the base weight must be 2-D [out, in], got ", w.sizes());
+  TORCH_CHECK(is_base_dtype(w.scalar_type()), who, ": the base weight is ", w.scalar_type(),
+              "; valid dtypes are Float, Double, Half, BFloat16");
+  const int64_t in = options.in_features(), out = options.out_features();
+  TORCH_CHECK(w.size(0) == out && w.size(1) == in, who, ": the options say in ", in, ", out ", out,
+              " but the base weight is ", w.sizes(), " ([out, in])");
+  TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == out && b.device() == w.device() &&
+                               b.scalar_type() == w.scalar_type()),
+              who, ": the base bias must be [", out, "] with the weight's device and dtype");
+  TORCH_CHECK(options.rank() >= 0 && options.rank() <= std::min(in, out), who, ": invalid rank ",
+              options.rank(), "; it must be in [0, min(in, out) = ", std::min(in, out), "]");
+  TORCH_CHECK(options.reflections() >= 0 && options.reflections() <= in, who,
+              ": invalid reflections ", options.reflections(), "; it must be in [0, in = ", in,
+              "]");
+  TORCH_CHECK(std::isfinite(options.alpha()) && options.alpha() >= 0, who, ": invalid alpha ",
+              options.alpha(), "; it must be finite and >= 0 (0: alpha = rank)");
+}
+
+}  // namespace detail
+
 namespace {
 
-// Replaces a parameter's tensor in place (it keeps its identity, so optimizers still hold it), or
-// registers it when the layer has none yet.
-void set_parameter(torch::nn::Module& module, at::Tensor& member, const std::string& name,
-                   const at::Tensor& value) {
-  at::NoGradGuard no_grad;
-  if (member.defined()) {
-    member.set_data(value);
-    member.mutable_grad() = at::Tensor();
-  } else {
-    member = module.register_parameter(name, value, /*requires_grad=*/true);
+// Checks what every delta_linear_* function takes: plain tensors of consistent shapes on the
+// weight's device, and a usable scale.
+void check_state(const DeltaLinearState& s) {
+  const at::Tensor& w = s.weight;
+  gwt::detail::check_plain_tensor(k_who, "the base weight", w);
+  TORCH_CHECK(w.dim() == 2 && detail::is_base_dtype(w.scalar_type()), k_who,
+              ": the base weight must be a 2-D Float, Double, Half or BFloat16 tensor, got ",
+              w.scalar_type(), " of shape ", w.sizes());
+  const int64_t out = w.size(0), in = w.size(1);
+  const int64_t k = s.U.defined() && s.U.dim() == 2 ? s.U.size(1) : 0;
+  TORCH_CHECK(s.U.defined() == s.V.defined(), k_who, ": U and V must be given together");
+  struct Expected {
+    const char* what;
+    const at::Tensor* t;
+    int64_t dims, rows, cols;  // cols -1: any
+  };
+  const Expected parts[] = {{"the base bias", &s.bias, 1, out, 0},
+                            {"U", &s.U, 2, out, k},
+                            {"V", &s.V, 2, in, k},
+                            {"the reflection vectors", &s.reflections, 2, in, -1},
+                            {"the core", &s.core, 2, k, k}};
+  for (const auto& e : parts) {
+    if (!e.t->defined()) continue;
+    gwt::detail::check_plain_tensor(k_who, e.what, *e.t);
+    const bool fits = e.t->dim() == e.dims && e.t->size(0) == e.rows &&
+                      (e.dims == 1 || e.cols < 0 || e.t->size(1) == e.cols);
+    TORCH_CHECK(fits, k_who, ": ", e.what, " has shape ", e.t->sizes(), " where out = ", out,
+                ", in = ", in, " and rank = ", k, " (U's columns) need ",
+                e.dims == 1
+                    ? c10::str("[", e.rows, "]")
+                    : c10::str("[", e.rows, ", ", e.cols < 0 ? "any" : c10::str(e.cols), "]"));
+    TORCH_CHECK(e.t->device() == w.device() && e.t->is_floating_point(), k_who, ": ", e.what,
+                " must be floating point on the weight's device ", w.device(), ", got ",
+                e.t->scalar_type(), " on ", e.t->device());
   }
+  TORCH_CHECK(std::isfinite(s.scaling) && s.scaling >= 0, k_who, ": invalid scale ", s.scaling,
+              "; it must be finite and >= 0");
+}
+
+// `t` in `dtype` (itself when it is already).
+at::Tensor in_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return !t.defined() || t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
+// U Q V^T [out, in], without the scale, in the math dtype (undefined at rank 0).
+at::Tensor unscaled_delta(const DeltaLinearState& s) {
+  if (!s.U.defined() || s.U.size(1) == 0) return at::Tensor();
+  const auto math = math_dtype(s.weight.scalar_type());
+  const at::Tensor v = in_dtype(s.V, math);
+  // U Q V^T = U (V Q^T)^T.
+  const at::Tensor vq =
+      s.core.defined() ? apply_product(v, wy_factors(in_dtype(s.core, math), false), true) : v;
+  return at::matmul(in_dtype(s.U, math), vq.t());
+}
+
+}  // namespace
+
+DeltaLinearState delta_linear_init(const at::Tensor& weight, const at::Tensor& bias,
+                                   const DeltaLinearOptions& options) {
+  detail::check_base(k_who, weight, bias, options);
+  const int64_t in = options.in_features(), out = options.out_features();
+  const int64_t k = options.rank(), r = options.reflections();
+  DeltaLinearState s;
+  s.weight = weight;
+  s.bias = bias;
+  s.scaling = (options.alpha() == 0 || k == 0) ? 1.0 : options.alpha() / static_cast<double>(k);
+  at::NoGradGuard no_grad;
+  const auto popts = weight.options().dtype(math_dtype(weight.scalar_type()));
+  s.U = at::zeros({out, k}, popts);
+  s.V = uniform_vectors(in, k, popts);
+  if (options.orthogonal_core()) s.core = start_vectors(k, k, true, popts);
+  if (r > 0) s.reflections = start_vectors(in, r, !options.gram_schmidt(), popts);
+  return s;
+}
+
+at::Tensor delta_linear_forward(const at::Tensor& x, const DeltaLinearState& s, bool gram_schmidt) {
+  gwt::detail::check_plain_tensor(k_who, "the input", x);
+  check_state(s);
+  const int64_t in = s.weight.size(1), out = s.weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, k_who,
+              ": the input's last dimension must be in_features = ", in, ", got shape ", x.sizes());
+  TORCH_CHECK(x.device() == s.weight.device(), k_who, ": the input is on ", x.device(),
+              " but the layer is on ", s.weight.device());
+  TORCH_CHECK(x.is_floating_point(), k_who, ": the input must be floating point, got ",
+              x.scalar_type());
+  const auto math = math_dtype(s.weight.scalar_type());
+  const at::Tensor xm = in_dtype(x, math);
+  const at::Tensor w = in_dtype(s.weight, math);
+  const at::Tensor b = in_dtype(s.bias, math);
+  // x (W H_1 ... H_r)^T, with the product P = H_1 ... H_r applied on the cheaper side: to x's
+  // rows, (x P^T) W^T, costs O(tokens in r); to W's, x (W P)^T, O(out in r) whatever the tokens.
+  // benchmarks/bench_reflections.cpp measured each side the faster one where its cost is lower.
+  at::Tensor y;
+  if (s.reflections.defined() && s.reflections.size(1) > 0) {
+    const WY f = wy_factors(in_dtype(s.reflections, math), gram_schmidt);
+    const int64_t tokens = xm.numel() / std::max<int64_t>(1, in);
+    y = tokens > out ? at::linear(xm, apply_product(w, f, false), b)
+                     : at::linear(apply_product(xm, f, true), w, b);
+  } else {
+    y = at::linear(xm, w, b);
+  }
+  if (s.U.defined() && s.U.size(1) > 0) {
+    at::Tensor t = at::matmul(xm, in_dtype(s.V, math));  // x V
+    if (s.core.defined())
+      t = apply_product(t, wy_factors(in_dtype(s.core, math), false), true);  // x V Q^T
+    y = y + at::matmul(t, in_dtype(s.U, math).t()) * s.scaling;
+  }
+  return in_dtype(y, x.scalar_type());
+}
+
+at::Tensor delta_linear_delta_weight(const DeltaLinearState& s) {
+  check_state(s);
+  const at::Tensor m = unscaled_delta(s);
+  if (!m.defined())
+    return at::zeros(s.weight.sizes(),
+                     s.weight.options().dtype(math_dtype(s.weight.scalar_type())));
+  return m * s.scaling;
+}
+
+at::Tensor delta_linear_merged_weight(const DeltaLinearState& s, bool gram_schmidt) {
+  check_state(s);
+  at::NoGradGuard no_grad;
+  const at::Tensor w = in_dtype(s.weight, math_dtype(s.weight.scalar_type()));
+  const at::Tensor wh =
+      s.reflections.defined() && s.reflections.size(1) > 0
+          ? apply_product(w, wy_factors(in_dtype(s.reflections, w.scalar_type()), gram_schmidt),
+                          false)
+          : w;
+  return in_dtype(wh + delta_linear_delta_weight(s), s.weight.scalar_type());
+}
+
+OrthogonalityError delta_linear_orthogonality_error(const DeltaLinearState& s, bool gram_schmidt) {
+  check_state(s);
+  at::NoGradGuard no_grad;
+  OrthogonalityError e;
+  const auto math = math_dtype(s.weight.scalar_type());
+  if (s.reflections.defined() && s.reflections.size(1) > 0)
+    e.reflections = orthogonality_of(wy_factors(in_dtype(s.reflections, math), gram_schmidt));
+  if (s.core.defined() && s.core.size(1) > 0)
+    e.core = orthogonality_of(wy_factors(in_dtype(s.core, math), false));
+  return e;
+}
+
+at::Tensor delta_linear_orthogonality_penalty(const DeltaLinearState& s, double lambda) {
+  TORCH_CHECK(std::isfinite(lambda) && lambda >= 0, k_who,
+              "::orthogonality_penalty: lambda must be finite and >= 0, got ", lambda);
+  check_state(s);
+  const auto math = math_dtype(s.weight.scalar_type());
+  if (!s.reflections.defined() || s.reflections.size(1) == 0)
+    return at::zeros({}, s.weight.options().dtype(math));
+  const at::Tensor v = in_dtype(s.reflections, math);
+  const at::Tensor n = v / v.norm(2, {0}, true);
+  const at::Tensor gram = at::matmul(n.t(), n);
+  return (at::eye(gram.size(0), gram.options()) - gram).pow(2).sum() * lambda;
+}
+
+DeltaLinearResized delta_linear_resize_rank(const DeltaLinearState& s,
+                                            const DeltaLinearOptions& options, int64_t k_new) {
+  check_state(s);
+  const int64_t in = s.weight.size(1), out = s.weight.size(0);
+  TORCH_CHECK(k_new >= 0 && k_new <= std::min(in, out), k_who, "::resize_rank: invalid rank ",
+              k_new, "; it must be in [0, min(in, out) = ", std::min(in, out), "]");
+  const int64_t k = s.U.defined() ? s.U.size(1) : 0;
+  DeltaLinearResized result{s, 0.0};
+  if (k_new == k) return result;
+  at::NoGradGuard no_grad;
+  const auto math = math_dtype(s.weight.scalar_type());
+  const auto popts = s.weight.options().dtype(math);
+  const bool with_core = options.orthogonal_core();
+  DeltaLinearState& n = result.state;
+  if (k_new > k) {
+    const int64_t added = k_new - k;
+    n.U = at::zeros({out, k_new}, popts);
+    n.V = at::empty({in, k_new}, popts);
+    if (k > 0) n.U.narrow(1, 0, k).copy_(s.U), n.V.narrow(1, 0, k).copy_(s.V);
+    n.V.narrow(1, k, added).copy_(uniform_vectors(in, added, popts));
+    // The kept vectors act on the kept coordinates only; the new ones on the new coordinates.
+    if (with_core) {
+      n.core = at::zeros({k_new, k_new}, popts);
+      if (k > 0) n.core.narrow(0, 0, k).narrow(1, 0, k).copy_(s.core);
+      n.core.narrow(0, k, added)
+          .narrow(1, k, added)
+          .copy_(start_vectors(added, added, true, popts));
+    }
+    // At rank 0 there was no delta to keep the scale of: it is fixed at the first rank.
+    if (k == 0 && options.alpha() != 0) n.scaling = options.alpha() / static_cast<double>(k_new);
+    return result;
+  }
+  // Shrink: M = U Q V^T ~ P_k S_k R_k^T; U' = P_k S_k^(1/2) Q'^T, V' = R_k S_k^(1/2), with Q' the
+  // core's paired start, so that U' Q' V'^T = P_k S_k R_k^T.
+  const auto svd = at::linalg_svd(unscaled_delta(s).to(at::kDouble), /*full_matrices=*/false);
+  const at::Tensor& p = std::get<0>(svd);
+  const at::Tensor& sv = std::get<1>(svd);
+  const at::Tensor& rt = std::get<2>(svd);
+  const double total = sv.pow(2).sum().item<double>();
+  const double dropped = sv.narrow(0, k_new, sv.size(0) - k_new).pow(2).sum().item<double>();
+  const at::Tensor root = sv.narrow(0, 0, k_new).sqrt();
+  at::Tensor u = p.narrow(1, 0, k_new) * root;
+  const at::Tensor v = rt.narrow(0, 0, k_new).t() * root;
+  if (with_core) {
+    n.core = start_vectors(k_new, k_new, true, popts);
+    if (k_new > 0) u = apply_product(u, wy_factors(n.core.to(at::kDouble), false), true);
+  }
+  n.U = u.to(math).contiguous();
+  n.V = v.to(math).contiguous();
+  result.error = total > 0 ? std::sqrt(dropped / total) : 0.0;
+  return result;
+}
+
+namespace {
+
+// Replaces a parameter's tensor in place: it keeps its identity, so optimizers still hold it.
+void set_parameter(at::Tensor& member, const at::Tensor& value) {
+  if (member.is_same(value)) return;
+  at::NoGradGuard no_grad;
+  member.set_data(value);
+  member.mutable_grad() = at::Tensor();
 }
 
 }  // namespace
@@ -144,201 +382,158 @@ void set_parameter(torch::nn::Module& module, at::Tensor& member, const std::str
 DeltaLinearImpl::DeltaLinearImpl(torch::nn::Linear base, DeltaLinearOptions options)
     : options_(std::move(options)) {
   TORCH_CHECK(!base.is_empty(), k_who, ": the base Linear is empty (default-constructed holder)");
-  const at::Tensor& w = base->weight;
-  TORCH_CHECK(w.defined() && w.dim() == 2, k_who, ": the base weight must be 2-D [out, in], got ",
-              w.defined() ? w.sizes() : c10::IntArrayRef{});
-  TORCH_CHECK(
-      w.is_floating_point() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble ||
-                                is_reduced(w.scalar_type())),
-      k_who, ": the base weight is ", w.scalar_type(),
-      "; valid dtypes are Float, Double, Half, BFloat16");
-  const int64_t in = options_.in_features(), out = options_.out_features();
-  TORCH_CHECK(w.size(0) == out && w.size(1) == in, k_who, ": the options say in ", in, ", out ",
-              out, " but the base weight is ", w.sizes(), " ([out, in])");
-  TORCH_CHECK(!base->bias.defined() || (base->bias.dim() == 1 && base->bias.size(0) == out &&
-                                        base->bias.device() == w.device() &&
-                                        base->bias.scalar_type() == w.scalar_type()),
-              k_who, ": the base bias must be [", out, "] with the weight's device and dtype");
-  TORCH_CHECK(options_.rank() >= 0 && options_.rank() <= std::min(in, out), k_who,
-              ": invalid rank ", options_.rank(),
-              "; it must be in [0, min(in, out) = ", std::min(in, out), "]");
-  TORCH_CHECK(options_.reflections() >= 0 && options_.reflections() <= in, k_who,
-              ": invalid reflections ", options_.reflections(), "; it must be in [0, in = ", in,
-              "]");
-  TORCH_CHECK(std::isfinite(options_.alpha()) && options_.alpha() >= 0, k_who, ": invalid alpha ",
-              options_.alpha(), "; it must be finite and >= 0 (0: alpha = rank)");
-  const int64_t k = options_.rank(), r = options_.reflections();
-  scaling_ = (options_.alpha() == 0 || k == 0) ? 1.0 : options_.alpha() / static_cast<double>(k);
-
-  weight = register_parameter("weight", w, options_.train_base());
-  if (base->bias.defined()) bias = register_parameter("bias", base->bias, options_.train_base());
+  DeltaLinearState s = delta_linear_init(base->weight, base->bias, options_);
+  weight = register_parameter("weight", s.weight, options_.train_base());
+  if (s.bias.defined()) bias = register_parameter("bias", s.bias, options_.train_base());
   if (!options_.train_base()) {
     weight.requires_grad_(false);
     if (bias.defined()) bias.requires_grad_(false);
   }
-  const auto popts = w.options().dtype(math_dtype(w.scalar_type()));
-  if (k > 0) {
-    U = register_parameter("U", at::zeros({out, k}, popts));
-    V = register_parameter("V", uniform_vectors(in, k, popts));
-    if (options_.orthogonal_core())
-      core = register_parameter("core", start_vectors(k, k, true, popts));
-  }
-  if (r > 0)
-    reflections =
-        register_parameter("reflections", start_vectors(in, r, !options_.gram_schmidt(), popts));
+  U = register_parameter("U", s.U);
+  V = register_parameter("V", s.V);
+  if (s.core.defined()) core = register_parameter("core", s.core);
+  if (s.reflections.defined()) reflections = register_parameter("reflections", s.reflections);
+  delta_scale_ = register_buffer(
+      "delta_scale", at::scalar_tensor(s.scaling, s.weight.options().dtype(at::kDouble)));
+  scaling_ = s.scaling;
 }
 
-at::Tensor DeltaLinearImpl::adapted(const at::Tensor& x, int64_t kept) const {
-  const auto math = math_dtype(weight.scalar_type());
-  const at::Tensor xm = x.scalar_type() == math ? x : x.to(math);
-  const at::Tensor w = weight.scalar_type() == math ? weight : weight.to(math);
-  const at::Tensor b = !bias.defined() || bias.scalar_type() == math ? bias : bias.to(math);
-  // x (W H_1 ... H_r)^T, with the product P = H_1 ... H_r applied on the cheaper side: to x's
-  // rows, (x P^T) W^T, costs O(tokens in r); to W's, x (W P)^T, O(out in r) whatever the tokens.
-  // benchmarks/bench_reflections.cpp measured each side the faster one where its cost is lower.
-  at::Tensor y;
-  if (reflections.defined() && reflections.size(1) > 0) {
-    const WY f = wy_factors(reflections, options_.gram_schmidt());
-    const int64_t tokens = xm.numel() / std::max<int64_t>(1, options_.in_features());
-    y = tokens > options_.out_features() ? at::linear(xm, apply_product(w, f, false), b)
-                                         : at::linear(apply_product(xm, f, true), w, b);
-  } else {
-    y = at::linear(xm, w, b);
-  }
-  if (kept > 0) {
-    auto first = [&](const at::Tensor& t) {
-      return kept == t.size(1) ? t : t.narrow(1, 0, kept).contiguous();
-    };
-    at::Tensor t = at::matmul(xm, first(V));  // x V
-    if (core.defined()) {
-      const at::Tensor c =
-          kept == core.size(1) ? core : core.narrow(0, 0, kept).narrow(1, 0, kept).contiguous();
-      t = apply_product(t, wy_factors(c, false), true);  // x V Q^T
-    }
-    y = y + at::matmul(t, first(U).t()) * scaling_;
-  }
-  return x.scalar_type() == math ? y : y.to(x.scalar_type());
+DeltaLinearState DeltaLinearImpl::state() const {
+  return {weight, bias, U, V, reflections, core, scaling_};
+}
+
+void DeltaLinearImpl::set_scaling(double scaling) {
+  at::NoGradGuard no_grad;
+  scaling_ = scaling;
+  delta_scale_.fill_(scaling);
 }
 
 at::Tensor DeltaLinearImpl::forward(const at::Tensor& x) {
-  TORCH_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == options_.in_features(), k_who,
-              ": the input's last dimension must be in_features = ", options_.in_features(),
-              ", got shape ", x.defined() ? x.sizes() : c10::IntArrayRef{});
-  TORCH_CHECK(x.device() == weight.device(), k_who, ": the input is on ", x.device(),
-              " but the layer is on ", weight.device());
-  TORCH_CHECK(x.is_floating_point(), k_who, ": the input must be floating point, got ",
-              x.scalar_type());
-  const int64_t k = U.defined() ? U.size(1) : 0;
-  if (zero_from_ >= 0 &&
-      (zero_from_ >= k || U.narrow(1, zero_from_, k - zero_from_).any().item<bool>()))
-    zero_from_ = -1;
-  if (zero_from_ < 0) return adapted(x, k);
-  // U's columns from zero_from_ on are still the zeros that resize_rank appended: the output is the
-  // one of the kept columns alone (the same operations on the same values as before the growth,
-  // so the same bits), while the gradient is the full layer's (full - full.detach() is exactly 0).
-  const at::Tensor kept = adapted(x, zero_from_);
-  if (!at::GradMode::is_enabled()) return kept;
-  const at::Tensor full = adapted(x, k);
-  return kept.detach() + (full - full.detach());
+  return delta_linear_forward(x, state(), options_.gram_schmidt());
 }
 
 at::Tensor DeltaLinearImpl::delta_weight() const {
-  const auto math = math_dtype(weight.scalar_type());
-  if (!U.defined() || U.size(1) == 0)
-    return at::zeros(weight.sizes(), weight.options().dtype(math));
-  // U Q V^T = U (V Q^T)^T.
-  const at::Tensor vq = core.defined() ? apply_product(V, wy_factors(core, false), true) : V;
-  return at::matmul(U, vq.t()) * scaling_;
+  return delta_linear_delta_weight(state());
 }
 
 torch::nn::Linear DeltaLinearImpl::merge() const {
+  const at::Tensor w = delta_linear_merged_weight(state(), options_.gram_schmidt());
+  // A Linear of one input and no outputs initialises an empty weight and bias (no allocation, no
+  // random numbers); it then takes the merged tensors and its real sizes.
+  auto merged =
+      std::make_shared<torch::nn::LinearImpl>(torch::nn::LinearOptions(1, 0).bias(bias.defined()));
   at::NoGradGuard no_grad;
-  const auto math = math_dtype(weight.scalar_type());
-  const at::Tensor w = weight.to(math);
-  const at::Tensor wh =
-      reflections.defined() && reflections.size(1) > 0
-          ? apply_product(w, wy_factors(reflections, options_.gram_schmidt()), false)
-          : w;
-  torch::nn::Linear merged(torch::nn::LinearOptions(options_.in_features(), options_.out_features())
-                               .bias(bias.defined()));
-  merged->to(weight.device(), weight.scalar_type());
-  merged->weight.copy_(wh + delta_weight());
-  if (bias.defined()) merged->bias.copy_(bias);
-  return merged;
+  merged->options.in_features(options_.in_features()).out_features(options_.out_features());
+  merged->weight.set_data(w);
+  if (bias.defined()) merged->bias.set_data(bias.detach().clone());
+  return torch::nn::Linear(merged);
 }
 
 OrthogonalityError DeltaLinearImpl::orthogonality_error() const {
-  at::NoGradGuard no_grad;
-  OrthogonalityError e;
-  if (reflections.defined() && reflections.size(1) > 0)
-    e.reflections = orthogonality_of(wy_factors(reflections, options_.gram_schmidt()));
-  if (core.defined() && core.size(1) > 0) e.core = orthogonality_of(wy_factors(core, false));
-  return e;
+  return delta_linear_orthogonality_error(state(), options_.gram_schmidt());
 }
 
 at::Tensor DeltaLinearImpl::orthogonality_penalty(double lambda) const {
-  TORCH_CHECK(std::isfinite(lambda) && lambda >= 0, k_who,
-              "::orthogonality_penalty: lambda must be finite and >= 0, got ", lambda);
-  if (!reflections.defined() || reflections.size(1) == 0)
-    return at::zeros({}, weight.options().dtype(math_dtype(weight.scalar_type())));
-  const at::Tensor n = reflections / reflections.norm(2, {0}, true);
-  const at::Tensor gram = at::matmul(n.t(), n);
-  return (at::eye(gram.size(0), gram.options()) - gram).pow(2).sum() * lambda;
+  return delta_linear_orthogonality_penalty(state(), lambda);
 }
 
 double DeltaLinearImpl::resize_rank(int64_t k_new) {
-  const int64_t in = options_.in_features(), out = options_.out_features();
-  TORCH_CHECK(k_new >= 0 && k_new <= std::min(in, out), k_who, "::resize_rank: invalid rank ",
-              k_new, "; it must be in [0, min(in, out) = ", std::min(in, out), "]");
-  const int64_t k = U.defined() ? U.size(1) : 0;
-  if (k_new == k) return 0.0;
-  at::NoGradGuard no_grad;
-  const auto popts = weight.options().dtype(math_dtype(weight.scalar_type()));
-  const bool with_core = options_.orthogonal_core();
-  if (k_new > k) {
-    const int64_t added = k_new - k;
-    const at::Tensor u = at::zeros({out, k_new}, popts);
-    const at::Tensor v = at::empty({in, k_new}, popts);
-    if (k > 0) u.narrow(1, 0, k).copy_(U), v.narrow(1, 0, k).copy_(V);
-    v.narrow(1, k, added).copy_(uniform_vectors(in, added, popts));
-    // The kept vectors act on the kept coordinates only; the new ones on the new coordinates.
-    at::Tensor c;
-    if (with_core) {
-      c = at::zeros({k_new, k_new}, popts);
-      if (k > 0) c.narrow(0, 0, k).narrow(1, 0, k).copy_(core);
-      c.narrow(0, k, added).narrow(1, k, added).copy_(start_vectors(added, added, true, popts));
-    }
-    set_parameter(*this, U, "U", u);
-    set_parameter(*this, V, "V", v);
-    if (with_core) set_parameter(*this, core, "core", c);
-    if (k == 0 && options_.alpha() != 0) scaling_ = options_.alpha() / static_cast<double>(k_new);
-    zero_from_ = k;
-    options_.rank(k_new);
-    return 0.0;
-  }
-  // Shrink: M = U Q V^T ~ P_k S_k R_k^T; U' = P_k S_k^(1/2) Q'^T, V' = R_k S_k^(1/2), with Q' the
-  // core's paired start, so that U' Q' V'^T = P_k S_k R_k^T.
-  const at::Tensor m = (delta_weight() / scaling_).to(at::kDouble);
-  const auto svd = at::linalg_svd(m, /*full_matrices=*/false);
-  const at::Tensor& p = std::get<0>(svd);
-  const at::Tensor& s = std::get<1>(svd);
-  const at::Tensor& rt = std::get<2>(svd);
-  const double total = s.pow(2).sum().item<double>();
-  const double dropped = s.narrow(0, k_new, s.size(0) - k_new).pow(2).sum().item<double>();
-  const at::Tensor root = s.narrow(0, 0, k_new).sqrt();
-  at::Tensor u = p.narrow(1, 0, k_new) * root;
-  const at::Tensor v = rt.narrow(0, 0, k_new).t() * root;
-  at::Tensor c;
-  if (with_core) {
-    c = start_vectors(k_new, k_new, true, popts);
-    if (k_new > 0) u = apply_product(u, wy_factors(c.to(at::kDouble), false), true);
-  }
-  set_parameter(*this, U, "U", u.to(math_dtype(weight.scalar_type())).contiguous());
-  set_parameter(*this, V, "V", v.to(math_dtype(weight.scalar_type())).contiguous());
-  if (with_core) set_parameter(*this, core, "core", c);
-  zero_from_ = -1;
+  const DeltaLinearResized r = delta_linear_resize_rank(state(), options_, k_new);
+  set_parameter(U, r.state.U);
+  set_parameter(V, r.state.V);
+  if (core.defined()) set_parameter(core, r.state.core);
+  if (r.state.scaling != scaling_) set_scaling(r.state.scaling);
   options_.rank(k_new);
-  return total > 0 ? std::sqrt(dropped / total) : 0.0;
+  return r.error;
+}
+
+void DeltaLinearImpl::convert(const std::optional<at::Device>& device,
+                              const std::optional<at::ScalarType>& dtype, bool non_blocking) {
+  TORCH_CHECK(!dtype || detail::is_base_dtype(*dtype), k_who, ": cannot convert to ", *dtype,
+              "; valid dtypes are Float, Double, Half, BFloat16");
+  const at::Device d = device.value_or(weight.device());
+  const at::ScalarType base = dtype.value_or(weight.scalar_type());
+  at::NoGradGuard no_grad;
+  auto convert_one = [&](at::Tensor& t, at::ScalarType type) {
+    if (t.defined()) t.set_data(t.to(d, type, non_blocking));
+  };
+  convert_one(weight, base);
+  convert_one(bias, base);
+  for (at::Tensor* t : {&U, &V, &reflections, &core}) convert_one(*t, math_dtype(base));
+  convert_one(delta_scale_, at::kDouble);
+}
+
+void DeltaLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  convert(device, dtype, non_blocking);
+}
+
+void DeltaLinearImpl::to(torch::Dtype dtype, bool non_blocking) {
+  convert(std::nullopt, dtype, non_blocking);
+}
+
+void DeltaLinearImpl::to(torch::Device device, bool non_blocking) {
+  convert(device, std::nullopt, non_blocking);
+}
+
+void DeltaLinearImpl::load(torch::serialize::InputArchive& archive) {
+  const std::string who = std::string(k_who) + "::load";
+  // Everything is read and checked before anything changes.
+  struct Entry {
+    const char* name;
+    at::Tensor* member;
+    at::Tensor DeltaLinearState::*part;  // null for the scale
+    at::Tensor value;
+  };
+  std::vector<Entry> entries = {{"delta_scale", &delta_scale_, nullptr, {}},
+                                {"weight", &weight, &DeltaLinearState::weight, {}},
+                                {"U", &U, &DeltaLinearState::U, {}},
+                                {"V", &V, &DeltaLinearState::V, {}}};
+  if (bias.defined()) entries.push_back({"bias", &bias, &DeltaLinearState::bias, {}});
+  if (reflections.defined())
+    entries.push_back({"reflections", &reflections, &DeltaLinearState::reflections, {}});
+  if (core.defined()) entries.push_back({"core", &core, &DeltaLinearState::core, {}});
+  for (auto& e : entries)
+    TORCH_CHECK(archive.try_read(e.name, e.value, /*is_buffer=*/e.part == nullptr), who,
+                ": the archive has no '", e.name,
+                "' (not saved from a DeltaLinear with these options, or saved before the scale "
+                "was part of its state)");
+  // A saved part this layer lacks would be dropped, and the layer would compute something else
+  // than the one saved (without its core Q, its reflections or its bias).
+  for (const auto& [name, member] :
+       {std::make_pair("bias", &bias), std::make_pair("reflections", &reflections),
+        std::make_pair("core", &core)}) {
+    at::Tensor saved;
+    TORCH_CHECK(member->defined() || !archive.try_read(name, saved), who, ": the archive has '",
+                name, "' but this layer has none (saved from a DeltaLinear with other options: ",
+                "bias, reflections or orthogonal_core); nothing was changed");
+  }
+  TORCH_CHECK(entries[0].value.numel() == 1, who, ": the saved delta_scale has shape ",
+              entries[0].value.sizes(), " (one value expected)");
+  DeltaLinearState s;
+  s.scaling = entries[0].value.item<double>();
+  for (auto& e : entries) {
+    e.value = e.value.to(e.member->options());  // this module's devices and dtypes
+    if (e.part) s.*e.part = e.value;
+  }
+  check_state(s);
+  const int64_t k = s.U.size(1);
+  TORCH_CHECK(s.weight.sizes() == weight.sizes() && k <= std::min(U.size(0), V.size(0)) &&
+                  (!reflections.defined() || s.reflections.sizes() == reflections.sizes()),
+              who, ": the saved layer has weight ", s.weight.sizes(), ", rank ", k,
+              " and reflection vectors ",
+              s.reflections.defined() ? s.reflections.sizes() : c10::IntArrayRef{},
+              "; this one has weight ", weight.sizes(), " and reflection vectors ",
+              reflections.defined() ? reflections.sizes() : c10::IntArrayRef{});
+  for (auto& e : entries) {
+    if (e.member->sizes() != e.value.sizes()) {
+      set_parameter(*e.member, e.value);  // U, V and core of another rank
+    } else {
+      at::NoGradGuard no_grad;
+      e.member->copy_(e.value);
+    }
+  }
+  scaling_ = s.scaling;
+  options_.rank(k);
 }
 
 int64_t DeltaLinearImpl::trainable_parameter_count() const {
@@ -353,28 +548,6 @@ int64_t DeltaLinearImpl::trainable_parameter_count() const {
 // ----------------------------------------------------------------------------------------------
 
 namespace {
-
-void add_adapters(torch::nn::Module& parent, const std::string& prefix,
-                  const DeltaLinearOptions& options, const NameFilter& filter,
-                  std::vector<std::pair<std::string, DeltaLinear>>& out) {
-  for (const auto& item : parent.named_children()) {
-    const std::string name = prefix.empty() ? item.key() : prefix + "." + item.key();
-    const auto& child = item.value();
-    if (auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(child)) {
-      if (!filter || filter(name)) {
-        const auto& w = linear->weight;
-        DeltaLinearOptions o = options;
-        o.in_features(w.size(1)).out_features(w.size(0));
-        DeltaLinear adapter(torch::nn::Linear(linear), o);
-        parent.replace_module(item.key(), adapter.ptr());
-        out.emplace_back(name, adapter);
-      }
-      continue;
-    }
-    if (std::dynamic_pointer_cast<DeltaLinearImpl>(child)) continue;  // already adapted
-    add_adapters(*child, name, options, filter, out);
-  }
-}
 
 int64_t merge_adapters(torch::nn::Module& parent) {
   int64_t merged = 0;
@@ -393,31 +566,53 @@ int64_t merge_adapters(torch::nn::Module& parent) {
 
 std::vector<std::pair<std::string, DeltaLinear>> add_delta_adapters(
     torch::nn::Module& module, const DeltaLinearOptions& options, const NameFilter& filter) {
-  std::vector<std::pair<std::string, DeltaLinear>> out;
-  // Checked once up front (with each layer's own sizes below): a bad option changes nothing.
-  TORCH_CHECK(options.rank() >= 0 && options.reflections() >= 0,
-              "gwt::nn::add_delta_adapters: ", "rank and reflections must be >= 0, got ",
-              options.rank(), " and ", options.reflections());
+  constexpr const char* who = "gwt::nn::add_delta_adapters";
+  TORCH_CHECK(options.rank() >= 0 && options.reflections() >= 0, who,
+              ": rank and reflections must be >= 0, got ", options.rank(), " and ",
+              options.reflections());
+  // Every layer is checked as its DeltaLinear constructor will check it before any is replaced, so
+  // that a layer that cannot take the options leaves the model as it was; the filter is asked once
+  // per layer.
+  struct Target {
+    std::string name;
+    torch::nn::Module* parent;
+    std::string child;
+    std::shared_ptr<torch::nn::LinearImpl> linear;
+    DeltaLinearOptions options;
+  };
+  std::vector<Target> targets;
   const auto modules = module.named_modules("", /*include_self=*/false);
   for (const auto& item : modules) {
     auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(item.value());
     if (!linear || (filter && !filter(item.key()))) continue;
     const auto dot = item.key().rfind('.');
-    const torch::nn::Module* parent =
+    torch::nn::Module* parent =
         dot == std::string::npos ? &module : modules[item.key().substr(0, dot)].get();
     if (detail::runs_own_list(*parent))
       detail::refuse_layer_in_container(
-          "gwt::nn::add_delta_adapters", item.key(), *parent,
+          who, item.key(), *parent,
           "build the container from DeltaLinear layers instead, or leave the layer out with the "
           "filter");
     const auto& w = linear->weight;
-    TORCH_CHECK(w.dim() == 2 && options.rank() <= std::min(w.size(0), w.size(1)) &&
+    TORCH_CHECK(w.defined() && w.dim() == 2 && options.rank() <= std::min(w.size(0), w.size(1)) &&
                     options.reflections() <= w.size(1),
-                "gwt::nn::add_delta_adapters: layer '", item.key(), "' of weight ", w.sizes(),
-                " cannot take rank ", options.rank(), " and ", options.reflections(),
+                who, ": layer '", item.key(), "' of weight ",
+                w.defined() ? w.sizes() : c10::IntArrayRef{}, " cannot take rank ", options.rank(),
+                " and ", options.reflections(),
                 " reflections (rank <= min(in, out), reflections <= in); nothing was replaced");
+    DeltaLinearOptions o = options;
+    o.in_features(w.size(1)).out_features(w.size(0));
+    detail::check_base(std::string(who) + ": layer '" + item.key() + "'", w, linear->bias, o);
+    targets.push_back({item.key(), parent,
+                       dot == std::string::npos ? item.key() : item.key().substr(dot + 1), linear,
+                       o});
   }
-  add_adapters(module, "", options, filter, out);
+  std::vector<std::pair<std::string, DeltaLinear>> out;
+  for (const auto& t : targets) {
+    DeltaLinear adapter(torch::nn::Linear(t.linear), t.options);
+    t.parent->replace_module(t.child, adapter.ptr());
+    out.emplace_back(t.name, adapter);
+  }
   return out;
 }
 
@@ -458,20 +653,32 @@ std::vector<torch::optim::OptimizerParamGroup> delta_param_groups(
     const std::function<std::unique_ptr<torch::optim::OptimizerOptions>(double lr)>& make_options,
     const DeltaLrMultipliers& multipliers) {
   TORCH_CHECK(make_options != nullptr, "gwt::nn::delta_param_groups needs make_options");
+  // The adapter parameters of DeltaLinear submodules, by identity: a parameter of another module
+  // that happens to be named U, V, core or reflections is a base parameter.
+  enum class Part { low_rank, reflections, core };
+  std::unordered_map<const void*, Part> parts;
+  auto note = [&](const torch::nn::Module& m) {
+    const auto* a = dynamic_cast<const DeltaLinearImpl*>(&m);
+    if (a == nullptr) return;
+    for (const at::Tensor* t : {&a->U, &a->V})
+      if (t->defined()) parts[t->unsafeGetTensorImpl()] = Part::low_rank;
+    if (a->reflections.defined()) parts[a->reflections.unsafeGetTensorImpl()] = Part::reflections;
+    if (a->core.defined()) parts[a->core.unsafeGetTensorImpl()] = Part::core;
+  };
+  note(module);
+  for (const auto& m : module.modules(/*include_self=*/false)) note(*m);
   std::vector<at::Tensor> base, low_rank, refl, core;
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
-    const std::string& name = item.key();
-    const std::string last =
-        name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
-    if (last == "U" || last == "V")
-      low_rank.push_back(item.value());
-    else if (last == "reflections")
-      refl.push_back(item.value());
-    else if (last == "core")
-      core.push_back(item.value());
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    if (!p.requires_grad()) continue;
+    const auto it = parts.find(p.unsafeGetTensorImpl());
+    if (it == parts.end())
+      base.push_back(p);
+    else if (it->second == Part::low_rank)
+      low_rank.push_back(p);
+    else if (it->second == Part::reflections)
+      refl.push_back(p);
     else
-      base.push_back(item.value());
+      core.push_back(p);
   }
   std::vector<torch::optim::OptimizerParamGroup> groups;
   for (const auto& [params, mult] :

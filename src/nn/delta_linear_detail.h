@@ -7,9 +7,22 @@
 
 #include <string>
 
+#include "gwt/nn/delta_linear.h"
+
 namespace gwt {
 namespace nn {
 namespace detail {
+
+bool is_reduced(at::ScalarType t);
+/// The dtype the adapter's parameters and arithmetic use for a base of dtype `t`.
+at::ScalarType math_dtype(at::ScalarType t);
+/// Float, Double, Half or BFloat16: the dtypes a DeltaLinear's base may have.
+bool is_base_dtype(at::ScalarType t);
+
+/// Everything the DeltaLinear constructor checks of its base and options (add_delta_adapters
+/// checks every layer so before it replaces any); `who` starts the message.
+void check_base(const std::string& who, const at::Tensor& weight, const at::Tensor& bias,
+                const DeltaLinearOptions& options);
 
 /// Whether `module` is a container that runs its own list of modules (torch::nn::Sequential,
 /// ModuleList, ModuleDict): Module::replace_module changes its registered child but not that list,

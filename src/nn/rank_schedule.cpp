@@ -119,9 +119,13 @@ RankSchedule::RankSchedule(std::vector<std::pair<std::string, DeltaLinear>> adap
   TORCH_CHECK(
       std::isfinite(options_.threshold()) && options_.threshold() > 0 && options_.threshold() < 1,
       "gwt::nn::RankSchedule: threshold must be in (0, 1), got ", options_.threshold());
-  TORCH_CHECK(options_.min_rank() >= 0 && options_.min_rank() <= options_.max_rank(),
-              "gwt::nn::RankSchedule: need 0 <= min_rank <= max_rank, got ", options_.min_rank(),
-              " and ", options_.max_rank());
+  // At rank 0 there is no delta whose spectrum could ask for more: a layer shrunk to 0 would stay
+  // there. So min_rank is at least 1, and a layer below it (built at rank 0, say) grows to it.
+  TORCH_CHECK(options_.min_rank() >= 1 && options_.min_rank() <= options_.max_rank(),
+              "gwt::nn::RankSchedule: need 1 <= min_rank <= max_rank, got ", options_.min_rank(),
+              " and ", options_.max_rank(),
+              " (min_rank must be >= 1: a layer at rank 0 has no delta to measure, so it could "
+              "never grow again)");
   for (const auto& [name, a] : adapters_)
     TORCH_CHECK(!a.is_empty(), "gwt::nn::RankSchedule: adapter '", name, "' is empty");
 }
@@ -149,7 +153,9 @@ std::vector<RankSchedule::Change> RankSchedule::step() {
     const int64_t top = std::min(options_.max_rank(), std::min(o.in_features(), o.out_features()));
     const double e = tail_energy(layer, options_.step());
     int64_t k_new = k;
-    if (e > options_.threshold() && k + options_.step() <= top)
+    if (k < options_.min_rank())
+      k_new = std::min(options_.min_rank(), top);
+    else if (e > options_.threshold() && k + options_.step() <= top)
       k_new = k + options_.step();
     else if (e < options_.threshold() / 2 && k - options_.step() >= options_.min_rank())
       k_new = k - options_.step();

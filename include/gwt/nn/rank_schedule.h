@@ -46,14 +46,16 @@ struct RankScheduleOptions {
   TORCH_ARG(int64_t, every) = 200;      // evaluate every N calls of step()
   TORCH_ARG(int64_t, step) = 8;         // grow or shrink by this many components
   TORCH_ARG(double, threshold) = 0.05;  // grow when the last `step` components hold more than this
-  TORCH_ARG(int64_t, min_rank) = 8;
-  TORCH_ARG(int64_t, max_rank) = 256;  // also bounded by each layer's min(in, out)
+  TORCH_ARG(int64_t, min_rank) = 8;     // >= 1
+  TORCH_ARG(int64_t, max_rank) = 256;   // also bounded by each layer's min(in, out)
 };
 
 /// Every `every` calls: for each adapter, e = ||last `step` components of U Q V^T||_F / ||U Q
 /// V^T||_F (from its singular values, float64). e > threshold: the rank is used to its end, grow by
-/// `step`; e < threshold / 2: shrink by `step`; within [min_rank, max_rank]. Resizes go through
-/// resize_rank(layer, k, optimizer), so the optimizer's state follows.
+/// `step`; e < threshold / 2: shrink by `step`; within [min_rank, max_rank]. A layer below min_rank
+/// (built at rank 0, say) grows to min_rank. min_rank must be >= 1: a layer at rank 0 has no delta
+/// to measure, so it could never grow again. Resizes go through resize_rank(layer, k, optimizer),
+/// so the optimizer's state follows.
 class RankSchedule {
  public:
   struct Change {
