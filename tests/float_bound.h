@@ -88,7 +88,8 @@ class RoundingBound {
     TORCH_CHECK(o.dim() == -1 || o.dim() == static_cast<int64_t>(shape.size()) - 1,
                 "RoundingBound: dim -1 only");
     TORCH_CHECK(o.threshold() == 0 && o.correct_bias(), "RoundingBound: no threshold, bias on");
-    TORCH_CHECK(!two_d_ || o.wavelet() == "haar" || o.wavelet() == "db1", "RoundingBound: 2-D Haar");
+    TORCH_CHECK(!two_d_ || o.wavelet() == "haar" || o.wavelet() == "db1",
+                "RoundingBound: 2-D Haar");
     if (!two_d_) build_linear_maps();
   }
 
@@ -99,7 +100,7 @@ class RoundingBound {
     const auto [b1, b2] = o_.betas();
     const int64_t L = o_.level();
     at::Tensor approx, approx_abs, update_abs;  // A, its |terms| sum, and the update's
-    double ops;                                  // roundings along one coefficient's sums
+    double ops;                                 // roundings along one coefficient's sums
     std::vector<at::Tensor> detail_abs;
     if (two_d_) {
       const auto c = gwt::wavedec2(g, "haar", L, gwt::boundary_mode_from_string(o_.boundary()));
@@ -144,7 +145,8 @@ class RoundingBound {
       update_abs = g.abs() / spread(den) + spread((m_abs_ * area + approx_abs / area) / den);
     } else {
       // Normalised coefficients' |terms| bounds: approximation (m, and A for kernels that write
-      // g + (m - A) terms), details over the denominator spread as SPEC 1.1 spreads it.
+      // g + (m - A) terms), details over the denominator spread as docs/algorithm.md#the-update
+      // spreads it.
       at::Tensor u = ((m_abs_ + approx_abs) / den).mm(ra_.abs());
       at::Tensor d = den;
       for (size_t k = 0; k < detail_abs.size(); ++k) {
@@ -155,8 +157,8 @@ class RoundingBound {
       update_abs = u.reshape(shape_);
     }
     const auto [beta1, beta2] = o_.betas();
-    const double step_size = o_.lr() * std::sqrt(1 - std::pow(beta2, t_)) /
-                             (1 - std::pow(beta1, t_)) * o_.scale();
+    const double step_size =
+        o_.lr() * std::sqrt(1 - std::pow(beta2, t_)) / (1 - std::pow(beta1, t_)) * o_.scale();
     // This step's error: the update's (coefficients, limiter, reconstruction of `ops` terms),
     // the subtraction and the decoupled decay (4 roundings of p), and storing p in its dtype.
     // Earlier errors carry over multiplied by 1 - lr * weight_decay <= 1.
@@ -186,12 +188,12 @@ class RoundingBound {
     const gwt::Wavelet wavelet(o_.wavelet());
     const auto mode = gwt::boundary_mode_from_string(o_.boundary());
     const auto c = gwt::wavedec(at::eye(n, at::kDouble), wavelet, o_.level(), -1, mode);
-    wa_ = c.approx, wd_ = c.details;  // [n, len]: row i holds unit vector i's coefficients
+    wa_ = c.approx, wd_ = c.details;       // [n, len]: row i holds unit vector i's coefficients
     auto synthesis = [&](int64_t which) {  // -1: the approximation; k: details[k]
       const int64_t len = which < 0 ? c.approx.size(-1) : c.details[which].size(-1);
       gwt::WaveletCoeffs unit;
-      unit.approx = which < 0 ? at::eye(len, at::kDouble)
-                              : at::zeros({len, c.approx.size(-1)}, at::kDouble);
+      unit.approx =
+          which < 0 ? at::eye(len, at::kDouble) : at::zeros({len, c.approx.size(-1)}, at::kDouble);
       for (size_t k = 0; k < c.details.size(); ++k)
         unit.details.push_back(static_cast<int64_t>(k) == which
                                    ? at::eye(len, at::kDouble)

@@ -35,7 +35,7 @@ struct Spec {
   int64_t t = 0;
 };
 
-// The limiter and step of SPEC 1.1, shared by both rules below.
+// The limiter and step of docs/algorithm.md#the-update, shared by both rules below.
 double limiter(at::Tensor& N, Spec& s, double gamma) {
   if (gamma <= 0) return 1.0;
   const double norm = N.norm().item<double>();
@@ -89,7 +89,8 @@ void spec_2d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdam
   apply(p, U, s, o);
 }
 
-// SPEC 1.1 along the last dimension, with the details thresholded before normalisation.
+// The rule of docs/algorithm.md#the-update along the last dimension, with the details thresholded
+// before normalisation.
 void spec_1d_step(at::Tensor& p, const at::Tensor& g, Spec& s, const WaveletAdamOptions& o) {
   const auto mode = gwt::boundary_mode_from_string(o.boundary());
   auto c = gwt::wavedec(g, o.wavelet(), o.level(), -1, mode);
@@ -135,8 +136,8 @@ TEST(Compression, TwoDimensionalPathFollowsTheRule) {
     WaveletAdam opt({p}, o);
     EXPECT_EQ(opt.is_fused_param(p), c.wavelet == "haar" && c.threshold == 0);
     Spec spec;
-    // One sign per matrix and step: no block or filter sum cancels, so 1e-10 does not rest on how the
-    // kernel and the spec round a nearly cancelled sum the step divides by.
+    // One sign per matrix and step: no block or filter sum cancels, so 1e-10 does not rest on how
+    // the kernel and the spec round a nearly cancelled sum the step divides by.
     int t = 0;
     for (const auto& g : gwt_test::well_conditioned_gradients(c.shape, 5, 31, at::kDouble, true)) {
       p.mutable_grad() = g.clone();
@@ -319,7 +320,8 @@ TEST(ThresholdScheduler, AGroupAddedLaterTakesItsThresholdAsItsBase) {
   at::Tensor a = at::randn({8, 16}).requires_grad_(true),
              b = at::randn({8, 16}).requires_grad_(true);
   WaveletAdam opt(std::vector<at::Tensor>{a}, WaveletAdamOptions().threshold(0.1));
-  gwt::ThresholdScheduler scheduler(opt, [](int64_t step, double base) { return base * (1 + step); });
+  gwt::ThresholdScheduler scheduler(opt,
+                                    [](int64_t step, double base) { return base * (1 + step); });
   opt.add_param_group(torch::optim::OptimizerParamGroup(
       {b}, std::make_unique<WaveletAdamOptions>(WaveletAdamOptions().threshold(0.5))));
   scheduler.step();
@@ -363,14 +365,16 @@ TEST(CompressedGradient, BadThresholdAndOutOfRangeDimAreCleanErrors) {
   // returned a gradient of another shape than the one recorded).
   auto short_approx = c;
   short_approx.approx = c.approx.narrow(0, 0, 3).contiguous();
-  expect_words([&] { gwt::decompress_gradient(short_approx); }, "the approximation has shape [3, 8]");
+  expect_words([&] { gwt::decompress_gradient(short_approx); },
+               "the approximation has shape [3, 8]");
   auto wrong_level = c;
   wrong_level.level = 3;
   expect_words([&] { gwt::decompress_gradient(wrong_level); }, "level 3 but 2 detail subbands");
-  auto wrong_detail = gwt::compress_gradient(g, "haar", 2, 1.0, "hard", -1, gwt::BoundaryMode::zero,
-                                             "bitmask");
+  auto wrong_detail =
+      gwt::compress_gradient(g, "haar", 2, 1.0, "hard", -1, gwt::BoundaryMode::zero, "bitmask");
   wrong_detail.detail_shapes[1] = {4, 8};
-  expect_words([&] { gwt::decompress_gradient(wrong_detail); }, "detail subband 1 has shape [4, 8]");
+  expect_words([&] { gwt::decompress_gradient(wrong_detail); },
+               "detail subband 1 has shape [4, 8]");
 }
 
 struct StackImpl : torch::nn::Module {

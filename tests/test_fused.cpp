@@ -864,7 +864,7 @@ struct EmulatedKernel {
     a.decay = o.lr() * o.weight_decay();
   }
 
-  // SPEC 1.1's limiter from this step's norm pass.
+  // The limiter (docs/algorithm.md#the-norm-growth-limiter) from this step's norm pass.
   template <typename Acc>
   double limiter(Acc norm_sq, const WaveletAdamOptions& o) {
     const auto acc = std::is_same_v<Acc, double> ? at::kDouble : at::kFloat;

@@ -235,7 +235,7 @@ struct Emulated {
   int64_t kept = 0;
   bool limited = false;  // the limiter's value was above 1 at some step
 
-  // SPEC 1.1's limiter from this step's sum of squares.
+  // The limiter (docs/algorithm.md#the-norm-growth-limiter) from this step's sum of squares.
   double limiter(double norm_sq, const WaveletAdamOptions& o) {
     const double now = std::sqrt(norm_sq), gamma = o.norm_growth_limit();
     if (gamma <= 0) return 1;

@@ -133,8 +133,8 @@ TEST(Transform, HalfPrecisionInputsAreComputedInFloat) {
   double taps_abs = 0;
   const gwt::Wavelet db2("db2");  // (a temporary's dec_lo() would dangle: ASan found it)
   for (double h : db2.dec_lo()) taps_abs += std::abs(h);
-  const double bound = 2 * 4 * 2 * std::ldexp(1.0, -24) * taps_abs * taps_abs *
-                       x.abs().max().item<double>();
+  const double bound =
+      2 * 4 * 2 * std::ldexp(1.0, -24) * taps_abs * taps_abs * x.abs().max().item<double>();
   EXPECT_LE(max_abs_diff(c32.approx, c64.approx), bound);
 }
 
@@ -148,8 +148,8 @@ TEST(Transform, Wavedec2RejectsNonFloatInputsAtEveryLevel) {
 }
 
 TEST(Transform, HaarIsBlockLocal) {
-  // SPEC 1.3: with L levels on a length divisible by 2^L each block of 2^L samples owns one
-  // approximation coefficient, which is the block sum / 2^(L/2).
+  // docs/algorithm.md#transforms-pywavelets-conventions: with L levels on a length divisible by 2^L
+  // each block of 2^L samples owns one approximation coefficient, which is the block sum / 2^(L/2).
   const at::Tensor x = at::arange(32, at::kDouble).view({1, 32});
   const auto c = gwt::wavedec(x, "haar", 3);
   const at::Tensor block_sums = x.view({1, 4, 8}).sum(-1) / std::pow(2.0, 1.5);

@@ -1,5 +1,5 @@
-// gwt::WaveletAdam against the GWT authors' optimizer and against the rule of SPEC 1.1/1.2 written
-// out in plain ATen ops here.
+// gwt::WaveletAdam against the GWT authors' optimizer and against the rule of
+// docs/algorithm.md#the-update (and the dense path) written out in plain ATen ops here.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -96,7 +96,8 @@ TEST(WaveletAdam, MatchesTheAuthorsOptimizerTrajectories) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The rule of SPEC 1.1 / 1.2, written out independently of the optimizer's code
+// The rule of docs/algorithm.md#the-update and the dense path, written out independently of the
+// optimizer's code
 // ---------------------------------------------------------------------------------------------
 
 struct SpecState {
@@ -104,7 +105,7 @@ struct SpecState {
   int64_t t = 0;
 };
 
-// One step of SPEC 1.1 on p (float64), transform along `dim`.
+// One step of docs/algorithm.md#the-update on p (float64), transform along `dim`.
 void spec_wavelet_step(at::Tensor& p, const at::Tensor& g, SpecState& s,
                        const WaveletAdamOptions& o) {
   const auto [b1, b2] = o.betas();

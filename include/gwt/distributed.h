@@ -1,9 +1,10 @@
 #pragma once
 
 /// \file
-/// Data parallelism on PyTorch's c10d (SPEC section 5): a process group from torchrun's
-/// variables, gradient averaging (optionally in the wavelet domain, with error feedback), and
-/// gwt::distributed::ShardedWaveletAdam, WaveletAdam with its state sharded across ranks (ZeRO-1).
+/// Data parallelism on PyTorch's c10d (docs/algorithm.md#data-parallelism): a process group from
+/// torchrun's variables, gradient averaging (optionally in the wavelet domain, with error
+/// feedback), and gwt::distributed::ShardedWaveletAdam, WaveletAdam with its state sharded across
+/// ranks (ZeRO-1).
 ///
 /// Built into libgwt when CMake finds Gloo's headers (Debian: libgloo-dev; the symbols come from
 /// LibTorch's libtorch_cpu.so); the gwt target then carries the compile definition

@@ -18,9 +18,10 @@ enum class ScalarKind : int8_t { f32, f64, f16, bf16 };
 
 /// Haar, zero mode (or any mode when n is a multiple of 2^level), transform along contiguous rows.
 ///
-/// Block locality (SPEC 1.3): each run of 2^level elements owns one approximation coefficient A and
-/// its own details, and since the inverse transform is linear and orthogonal the whole update of
-/// the block is  u_i = (g_i + (m - A) * 2^(-level/2)) / ((sqrt(v) + eps) * lim).
+/// Block locality (docs/algorithm.md#transforms-pywavelets-conventions): each run of 2^level
+/// elements owns one approximation coefficient A and its own details, and since the inverse
+/// transform is linear and orthogonal the whole update of the block is  u_i = (g_i + (m - A) *
+/// 2^(-level/2)) / ((sqrt(v) + eps) * lim).
 ///
 /// The 2-D transform (two_d) is block-local the same way, with blocks of 2^level x 2^level:
 /// u_ij = (g_ij + (m - A) * 2^(-level)) / ((sqrt(v) + eps) * lim).
@@ -113,10 +114,10 @@ int64_t wavelet_row_scratch_bytes(int64_t n, int64_t filter_length, int64_t leve
 /// The most shared memory one block may have on the current CUDA device (0 without CUDA).
 int64_t wavelet_adam_cuda_max_scratch_bytes();
 
-/// Adam's rule on a dense parameter (SPEC 1.2) on the CPU: n contiguous values of p, g, m and v,
-/// all float32 or all float64, in the order of the reference's ATen ops, each product, sum,
-/// quotient and square root rounded on its own (no fused multiply-add), so that the AVX2 and the
-/// baseline builds give the same bits:
+/// Adam's rule on a dense parameter (docs/algorithm.md#eligibility-and-the-dense-path) on the CPU:
+/// n contiguous values of p, g, m and v, all float32 or all float64, in the order of the
+/// reference's ATen ops, each product, sum, quotient and square root rounded on its own (no fused
+/// multiply-add), so that the AVX2 and the baseline builds give the same bits:
 ///   m = m * beta1 + (1 - beta1) * g;   v = v * beta2 + ((1 - beta2) * g) * g;
 ///   p = p + (-step_size * m) / (sqrt(v) + eps);   then, with decay: p = p + (-decay) * p.
 /// Parallel over chunks of at least 32768 values; every value takes the same operations wherever

@@ -77,8 +77,8 @@ def haar_waverec(coeffs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class PureTorchGWT(torch.optim.Optimizer):
-    """GWT (SPEC 1.1) with Haar along the last dimension, in PyTorch ops, one tensor at a time.
-    Lengths along the last dimension must be divisible by 2**level."""
+    """GWT (docs/algorithm.md#the-update) with Haar along the last dimension, in PyTorch ops,
+    one tensor at a time. Lengths along the last dimension must be divisible by 2**level."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, level=2, scale=1.0,
                  norm_growth_limit=1.01, weight_decay=0.0):

@@ -84,10 +84,10 @@ def test_galore_adam_equals_the_cpp_optimizer_bit_for_bit(case):
 
 
 # The authors' WaveAdamW in float64 against gwt in float64. The rule reproduces it up to the order
-# in which the transform and the limiter's norm add (SPEC: 1e-14 observed after 12 steps); 1e-10
-# relative (floor 1e-3, so that values crossing zero do not blow up) leaves room for other
-# vectorisations and FMA, and is far below any difference of rule (1e-3 and more). The C++ test
-# uses the same bound.
+# in which the transform and the limiter's norm add (docs/algorithm.md#the-update: 1e-14 observed
+# after 12 steps); 1e-10 relative (floor 1e-3, so that values crossing zero do not blow up) leaves
+# room for other vectorisations and FMA, and is far below any difference of rule (1e-3 and more).
+# The C++ test uses the same bound.
 @pytest.mark.parametrize("fused", [True, False])
 def test_matches_the_authors_optimizer_trajectories(fused):
     records = read_records("official_gwt_trajectories.txt", "config")

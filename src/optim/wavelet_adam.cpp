@@ -221,8 +221,9 @@ at::Tensor limiter_norm(const at::Tensor& x) {
   return at::scalar_tensor(std::sqrt(sum), x.options());
 }
 
-// The reference update for one parameter, in readable ATen ops (SPEC 1.1 / 1.2). The fused kernels
-// are tested against it; WaveletAdamOptions::fused(false) selects it.
+// The reference update for one parameter, in readable ATen ops (docs/algorithm.md#the-update,
+// docs/algorithm.md#eligibility-and-the-dense-path). The fused kernels are tested against it;
+// WaveletAdamOptions::fused(false) selects it.
 void reference_update(const Work& work, WaveletAdamParamState& state, double step_size) {
   const WaveletAdamOptions& o = *work.options;
   const at::ScalarType dtype = compute_dtype(work.param);
@@ -493,7 +494,8 @@ void general_update(const Work& work, WaveletAdamParamState& state, double step_
         .total_details(args.rows * (args.coeff_len - args.approx_len));
 }
 
-// Update pass: the limiter of SPEC 1.1 from the norm pass's result, then the kernel.
+// Update pass: the limiter (docs/algorithm.md#the-norm-growth-limiter) from the norm pass's result,
+// then the kernel.
 void fused_update(const Work& work, WaveletAdamParamState& state, double step_size) {
   c10::OptionalDeviceGuard device;
   if (work.param.is_cuda()) device.reset_device(work.param.device());
@@ -538,10 +540,11 @@ void fused_update(const Work& work, WaveletAdamParamState& state, double step_si
     kernels::haar_adam_update_cuda(haar_args(work, step_size), lim.data_ptr());
 }
 
-// The dense rule (SPEC 1.2) in one pass over a CPU parameter whose gradient and moments share its
-// dtype (float32 or float64) and are contiguous: the reference's ATen ops, element by element, in
-// the same order, without the reference's temporary (sqrt(v) + eps, a parameter's size at every
-// step). Tested against reference_update and, bit for bit, against a plain loop.
+// The dense rule (docs/algorithm.md#eligibility-and-the-dense-path) in one pass over a CPU
+// parameter whose gradient and moments share its dtype (float32 or float64) and are contiguous: the
+// reference's ATen ops, element by element, in the same order, without the reference's temporary
+// (sqrt(v) + eps, a parameter's size at every step). Tested against reference_update and, bit for
+// bit, against a plain loop.
 bool dense_fusable(const Work& work, const WaveletAdamParamState& state) {
   const at::Tensor& p = work.param;
   const at::Tensor& g = p.grad();

@@ -68,8 +68,8 @@ struct WaveletAdamOptions : public torch::optim::OptimizerCloneableOptions<Wavel
   /// "soft" or "hard".
   TORCH_ARG(std::string, threshold_mode) = "soft";
   /// Parameters whose last two dimensions have fewer than min_size elements take the dense path
-  /// (0 = off, the rule of SPEC 1.2; 32 skips matrices below 32 x 32, where compression saves
-  /// little).
+  /// (0 = off, docs/algorithm.md#eligibility-and-the-dense-path; 32 skips matrices below 32 x 32,
+  /// where compression saves little).
   TORCH_ARG(int64_t, min_size) = 0;
   /// What a NaN or an infinity in a gradient of this group skips: "skip_step" (the whole step:
   /// no parameter or state changes, as AMP's GradScaler does) or "skip_param" (that parameter
@@ -109,7 +109,8 @@ struct WaveletAdamParamState
   friend bool operator==(const WaveletAdamParamState& lhs, const WaveletAdamParamState& rhs);
 };
 
-/// Drop-in replacement for torch::optim::Adam / AdamW (see SPEC 1.1 for the exact rule).
+/// Drop-in replacement for torch::optim::Adam / AdamW (the exact rule:
+/// docs/algorithm.md#the-update).
 ///
 /// - Each group's options are used exactly as given, by the constructor and by add_param_group
 ///   (LibTorch's own add_param_group would replace a custom optimizer's options with the
