@@ -240,9 +240,9 @@ int64_t owned_bytes(const ShardedWaveletAdam& opt, const Problem& p, int64_t ran
   return n;
 }
 
-// A gradient of the wrong shape on rank 1, for a parameter rank 1 owns, at step 3: every rank
-// raises, with its parameters and state as they were; the step done again with good gradients
-// continues as one process does.
+// A gradient of the wrong shape on rank 1 (for a parameter rank 1 owns), at step 3: every rank
+// raises, with its parameters and state as they were (all_reduce_gradients finds it, before any
+// data moves); the step done again with good gradients continues as one process does.
 void scenario_bad_grad() {
   auto pg = gwt::distributed::init_from_env("gloo");
   const int64_t rank = pg->getRank(), world = pg->getSize();
@@ -255,7 +255,8 @@ void scenario_bad_grad() {
   loss(p, rank, world).backward();
   size_t bad = 0;
   while (p.params[bad].dim() != 2 || opt.owner(p.params[bad]) != 1) ++bad;
-  // The same number of elements, so that the averaging's buckets still match between the ranks.
+  // The same number of elements: before the check, the averaging's buckets still matched between
+  // the ranks, and only the owner's local step refused it.
   if (rank == 1) p.params[bad].mutable_grad() = at::zeros({kWidth / 2, 2 * kWidth}, at::kDouble);
   const std::vector<at::Tensor> before = values(p);
   const int64_t state_before = opt.state_bytes();
@@ -270,6 +271,36 @@ void scenario_bad_grad() {
              bit_equal(values(p), before) && opt.state_bytes() == state_before ? "yes" : "no");
   train(p, opt, run, 3, kSteps);
   save_values(values(p), rank_file("params", rank));
+}
+
+// An error only the owner of a parameter can see (its options do not fit its dtype: lr x
+// weight_decay overflows float32, for the one float32 parameter; the float64 ones are fine), found
+// by the owner's local checks: every rank raises before any writes.
+void scenario_owner_only() {
+  auto pg = gwt::distributed::init_from_env("gloo");
+  const int64_t rank = pg->getRank(), world = pg->getSize();
+  Problem p = make_problem();
+  const at::Tensor narrow = at::randn({kWidth, kWidth}).requires_grad_();
+  std::vector<at::Tensor> params = p.params;
+  params.push_back(narrow);
+  ShardedWaveletAdam opt(pg, params, options().weight_decay(1e41));
+  loss(p, rank, world).backward();
+  narrow.mutable_grad() = at::ones_like(narrow);
+  const std::vector<at::Tensor> before = values(p);
+  const at::Tensor narrow_before = narrow.detach().clone();
+  std::string message = "no error";
+  try {
+    opt.step();
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  write_text(rank_file("owner", rank), std::to_string(opt.owner(narrow)));
+  write_text(rank_file("error", rank), message);
+  write_text(rank_file("unchanged", rank), bit_equal(values(p), before) &&
+                                                   at::equal(narrow, narrow_before) &&
+                                                   opt.state_bytes() == 0
+                                               ? "yes"
+                                               : "no");
 }
 
 // Options that differ between the ranks: at construction, and a learning rate changed on one rank
@@ -489,6 +520,8 @@ int worker(const std::string& scenario) {
       scenario_groups();
     else if (scenario == "options_differ")
       scenario_options_differ();
+    else if (scenario == "owner_only")
+      scenario_owner_only();
     else if (scenario == "ckpt_memory")
       scenario_ckpt_memory();
 #ifdef GWT_DIST_TEST_LM
@@ -724,14 +757,31 @@ TEST(Distributed, ShardedErrorOnOneRankChangesNothingOnAnyRank) {
   fs::remove_all(d);
 }
 
+TEST(Distributed, AnErrorOnlyTheOwnerSeesChangesNothingOnAnyRank) {
+  const std::string d = run_in_fresh_dir("owner_only", 2);
+  if (d.empty()) return;
+  const std::string owner = read_text(d, rank_file("owner", 0));
+  for (int64_t r = 0; r < 2; ++r) {
+    const std::string message = read_text(d, rank_file("error", r));
+    EXPECT_NE(message.find(std::to_string(r) == owner ? "does not fit float32"
+                                                      : "failed on rank " + owner),
+              std::string::npos)
+        << "rank " << r << " (the float32 parameter's owner is rank " << owner << "): " << message;
+    EXPECT_EQ(read_text(d, rank_file("unchanged", r)), "yes")
+        << "rank " << r << " changed its parameters or state in the step that raised";
+  }
+  fs::remove_all(d);
+}
+
 TEST(Distributed, OptionsThatDifferBetweenTheRanksAreAnErrorOnEveryRank) {
   const std::string d = run_in_fresh_dir("options_differ", 2);
   if (d.empty()) return;
   for (int64_t r = 0; r < 2; ++r) {
     for (const char* when : {"construction", "step"}) {
       const std::string message = read_text(d, rank_file(when, r));
-      EXPECT_NE(message.find("options differ between the ranks"), std::string::npos)
+      EXPECT_NE(message.find("differ between the ranks"), std::string::npos)
           << "rank " << r << " at " << when << ": " << message;
+      EXPECT_NE(message.find("options"), std::string::npos) << message;
     }
     EXPECT_EQ(read_text(d, rank_file("unchanged", r)), "yes") << "rank " << r;
   }
@@ -940,7 +990,9 @@ TEST(Distributed, NcclDeviceComesFromLocalRank) {
   {
     EnvGuard env({{"LOCAL_RANK", "8"}, {"GWT_DIST_UNUSED", ""}});
     expect_error([] { cuda_device_for_rank(0, 8); },
-                 "LOCAL_RANK='8' is not a whole number from 0 to 7");
+                 "LOCAL_RANK=8 but this process sees 8 CUDA devices");
+    // A launcher that gives each process its own GPU leaves it one device.
+    EXPECT_EQ(cuda_device_for_rank(0, 1), 0);
   }
   expect_error([] { cuda_device_for_rank(0, 0); }, "this process sees none");
 }

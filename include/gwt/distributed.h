@@ -111,16 +111,20 @@ class ShardedWaveletAdam : public torch::optim::Optimizer {
   at::Tensor step(LossClosure closure = nullptr) override;
 
   /// This rank's shard (format "gwt.ShardedWaveletAdam.v1": rank, world size, every group's
-  /// options, the local WaveletAdam's checkpoint). Loading checks rank and world size.
+  /// options, the local WaveletAdam's checkpoint). Loading checks rank and world size. These two
+  /// are this rank's alone (torch::save / torch::load call them); load_shard is collective.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
-  /// torch::save/torch::load of this rank's shard to `path` + ".rank-" + rank.
+  /// torch::save/torch::load of this rank's shard to `path` + ".rank-" + rank. load_shard is
+  /// collective: when any rank's shard fails to load, every rank raises (that rank keeps its
+  /// state; the others say that they loaded theirs).
   void save_shard(const std::string& path) const;
   void load_shard(const std::string& path);
   /// Collective: rank 0 receives every parameter's state from its owner, one parameter at a time,
   /// and writes a checkpoint that a single-process gwt::WaveletAdam over the same parameter groups
   /// loads with torch::load (with this run's skipped_steps()). Only rank 0 holds more than its own
-  /// shard; the others send their state from where it lives, without copies.
+  /// shard; the others send their state from where it lives (one tensor at a time through the
+  /// host when Gloo meets CUDA state).
   void save_full(const std::string& path) const;
   /// Collective: rank 0 reads and checks a single-process WaveletAdam checkpoint (or one
   /// save_full wrote) and sends each rank the groups' options and the state of the parameters it

@@ -180,11 +180,11 @@ int64_t failure_flag(const c10d::Backend& pg, const std::string& error) {
 }
 
 void throw_if_failed(const c10d::Backend& pg, int64_t flag, const std::string& error,
-                     const std::string& what) {
+                     const std::string& what, const std::string& suffix) {
   if (flag == 0) return;
-  TORCH_CHECK(error.empty(), error);
+  TORCH_CHECK(error.empty(), error, suffix);
   TORCH_CHECK(false, "gwt::distributed::", what, ": failed on rank ", flag - 1, " (", where(pg),
-              " is stopping with it; that rank's message says why)");
+              " is stopping with it; that rank's message says why)", suffix);
 }
 
 void send(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64_t dst, int tag,
@@ -319,7 +319,16 @@ int64_t cuda_device_for_rank(int64_t rank, int64_t device_count) {
   TORCH_CHECK(device_count > 0,
               "gwt::distributed::init_from_env: backend 'nccl' needs a CUDA "
               "device and this process sees none (CUDA_VISIBLE_DEVICES?); use 'gloo'");
-  if (env("LOCAL_RANK")) return env_int("LOCAL_RANK", 0, 0, device_count - 1);
+  // A launcher that gives each process one GPU (CUDA_VISIBLE_DEVICES) leaves it one device,
+  // whatever its LOCAL_RANK.
+  if (device_count == 1) return 0;
+  if (env("LOCAL_RANK")) {
+    const int64_t index = env_int("LOCAL_RANK", 0, 0, int64_t{1} << 20);
+    TORCH_CHECK(index < device_count, "gwt::distributed::init_from_env: LOCAL_RANK=", index,
+                " but this process sees ", device_count,
+                " CUDA devices (CUDA_VISIBLE_DEVICES?); run at most one process per device");
+    return index;
+  }
   return rank % device_count;
 }
 }  // namespace detail
@@ -530,11 +539,14 @@ void all_reduce_gradients(const c10::intrusive_ptr<c10d::Backend>& pg,
   const bool wavelet = options.compression == "wavelet";
   int64_t bucket_bits = 0;
   std::memcpy(&bucket_bits, &options.bucket_mb, sizeof bucket_bits);
+  // On a rank that failed, the values are not sent (an option out of range must not reach the
+  // collective's own checks there).
+  std::vector<int64_t> same{static_cast<int64_t>(params.size()), digest,
+                            wavelet ? options.level : 0, wavelet && options.error_feedback ? 1 : 0,
+                            bucket_bits & 0x7fffffffffffffff};
+  if (!error.empty()) same.assign(same.size(), 0);
   const detail::Agreed agreed =
-      detail::agree(pg, {detail::failure_flag(*pg, error)},
-                    {static_cast<int64_t>(params.size()), digest, wavelet ? options.level : 0,
-                     wavelet && options.error_feedback ? 1 : 0, bucket_bits & 0x7fffffffffffffff},
-                    "all_reduce_gradients");
+      detail::agree(pg, {detail::failure_flag(*pg, error)}, same, "all_reduce_gradients");
   detail::throw_if_failed(*pg, agreed.max[0], error, "all_reduce_gradients");
   if (!agreed.same)
     detail::fail_differ(*pg, "all_reduce_gradients",
@@ -701,11 +713,20 @@ void broadcast_parameters(const c10::intrusive_ptr<c10d::Backend>& pg,
                           const std::vector<at::Tensor>& params, int64_t root) {
   const char* who = "gwt::distributed::broadcast_parameters";
   TORCH_CHECK(pg, who, ": the process group is null");
-  TORCH_CHECK(root >= 0 && root < pg->getSize(), who, ": root ", root, " is not a rank (0 to ",
-              pg->getSize() - 1, ")");
-  for (const auto& p : params) gwt::detail::check_plain_tensor(who, "a parameter", p);
-  detail::check_same(pg, {static_cast<int64_t>(params.size()), detail::shape_digest(params, false)},
-                     "broadcast_parameters", "the parameters");
+  // Checked on each rank, then agreed on, so that no rank waits for one that gave up.
+  int64_t digest = 0;
+  const std::string error = detail::capture([&] {
+    TORCH_CHECK(root >= 0 && root < pg->getSize(), who, ": root ", root, " is not a rank (0 to ",
+                pg->getSize() - 1, ")");
+    for (const auto& p : params) gwt::detail::check_plain_tensor(who, "a parameter", p);
+    digest = detail::shape_digest(params, false);
+  });
+  const detail::Agreed agreed = detail::agree(
+      pg, {detail::failure_flag(*pg, error)},
+      {error.empty() ? static_cast<int64_t>(params.size()) : 0, digest, error.empty() ? root : 0},
+      "broadcast_parameters");
+  detail::throw_if_failed(*pg, agreed.max[0], error, "broadcast_parameters");
+  if (!agreed.same) detail::fail_differ(*pg, "broadcast_parameters", "the parameters or the root");
   at::NoGradGuard no_grad;
   for (const auto& [begin, end] : detail::buckets(params, int64_t{64} << 20)) {
     std::vector<at::Tensor> flat;

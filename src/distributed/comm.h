@@ -71,9 +71,10 @@ std::string capture(const std::function<void()>& f);
 int64_t failure_flag(const c10d::Backend& pg, const std::string& error);
 
 /// After agree(): throws on every rank when a rank failed (`flag` is the agreed failure_flag):
-/// this rank's own message where it failed, else one that names the failing rank.
+/// this rank's own message where it failed, else one that names the failing rank; `suffix` is
+/// added to either.
 void throw_if_failed(const c10d::Backend& pg, int64_t flag, const std::string& error,
-                     const std::string& what);
+                     const std::string& what, const std::string& suffix = "");
 
 /// Point-to-point transfers, waited for within the group's timeout (`tag` pairs them).
 void send(const c10::intrusive_ptr<c10d::Backend>& pg, at::Tensor& t, int64_t dst, int tag,

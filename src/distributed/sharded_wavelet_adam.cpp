@@ -253,30 +253,42 @@ at::Tensor ShardedWaveletAdam::step(LossClosure closure) {
   std::string error = detail::capture([&] {
     for (const auto& group : param_groups_) validate_options(wavelet_options(group));
   });
+  // Which gradients are defined is compared too: the averaging below may be skipped, and the
+  // owners' broadcasts must have the same sizes everywhere.
   const bool averaged = detail::gradients_already_averaged(params_);
-  detail::Agreed agreed = detail::agree(pg_, {detail::failure_flag(*pg_, error), averaged ? 0 : 1},
-                                        {options_digest(param_groups_)}, what);
+  detail::Agreed agreed = detail::agree(
+      pg_, {detail::failure_flag(*pg_, error), averaged ? 0 : 1},
+      {options_digest(param_groups_), detail::shape_digest(params_, /*with_grads=*/true)}, what);
   detail::throw_if_failed(*pg_, agreed.max[0], error, what);
-  if (!agreed.same) detail::fail_differ(*pg_, what, "the groups' options");
+  if (!agreed.same)
+    detail::fail_differ(*pg_, what, "the groups' options or the gradients that are defined");
   if (agreed.max[1] != 0) {
     all_reduce_gradients(pg_, params_);
     last_step_bytes_sent_ += last_grad_sync_stats().bytes_sent;
   }
   // 2. The local optimizer's checks (which write nothing), and the whole-step skip: a non-finite
   // averaged gradient in a "skip_step" group skips the step everywhere. The averaged gradients
-  // are the same on every rank, so each rank looks at those it owns. Parameters of "skip_param"
-  // groups are decided by their owner's local step, as on one process.
+  // are the same on every rank, so each rank looks at those it owns, as WaveletAdam::step does:
+  // in the dtype the update reads them in (a float64 gradient of a float32 parameter can be
+  // finite and overflow float32). Parameters of "skip_param" groups are decided by their owner's
+  // local step, as on one process.
   sync_local_options();
   bool nonfinite = false;
   error = detail::capture([&] {
     if (!local_) return;
     local_->check_step();
+    std::vector<at::Tensor> finite;
     for (const auto& group : local_->param_groups()) {
       if (wavelet_options(group).nonfinite() != "skip_step") continue;
-      for (const auto& p : group.params())
-        if (p.grad().defined() && !nonfinite)
-          nonfinite = !at::isfinite(p.grad()).all().item<bool>();
+      for (const auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        const bool narrower = p.scalar_type() != at::kDouble;
+        const at::Tensor g =
+            narrower && p.grad().scalar_type() == at::kDouble ? p.grad().to(at::kFloat) : p.grad();
+        finite.push_back(at::isfinite(g).all());
+      }
     }
+    nonfinite = !finite.empty() && !at::stack(finite).all().item<bool>();
   });
   agreed = detail::agree(pg_, {detail::failure_flag(*pg_, error), nonfinite ? 1 : 0}, {}, what);
   detail::throw_if_failed(*pg_, agreed.max[0], error, what);
@@ -295,13 +307,8 @@ at::Tensor ShardedWaveletAdam::step(LossClosure closure) {
   agreed = detail::agree(pg_, {detail::failure_flag(*pg_, error), skipped_any ? 1 : 0}, {}, what);
   if (agreed.max[1] != 0) ++skipped_steps_;
   broadcast_parameters();
-  if (agreed.max[0] != 0)
-    detail::throw_if_failed(*pg_, agreed.max[0],
-                            error.empty() ? error
-                                          : error +
-                                                " (the step was applied in part: every "
-                                                "rank holds its owners' values)",
-                            what);
+  detail::throw_if_failed(*pg_, agreed.max[0], error, what,
+                          " (the step was applied in part: every rank holds its owners' values)");
   return loss;
 }
 
@@ -422,13 +429,25 @@ void ShardedWaveletAdam::save_shard(const std::string& path) const {
 }
 
 void ShardedWaveletAdam::load_shard(const std::string& path) {
-  const std::string file = shard_path(path, pg_->getRank());
-  TORCH_CHECK(std::ifstream(file).good(), k_who, "::load_shard: rank ", pg_->getRank(), " has no ",
-              file, " (a run of ", pg_->getSize(), " ranks reads ", path, ".rank-0 to .rank-",
-              pg_->getSize() - 1, "; was the checkpoint saved with another world size?)");
-  torch::serialize::InputArchive archive;
-  archive.load_from(file);
-  load(archive);
+  const std::string error = detail::capture([&] {
+    const std::string file = shard_path(path, pg_->getRank());
+    TORCH_CHECK(std::ifstream(file).good(), k_who, "::load_shard: rank ", pg_->getRank(),
+                " has no ", file, " (a run of ", pg_->getSize(), " ranks reads ", path,
+                ".rank-0 to .rank-", pg_->getSize() - 1,
+                "; was the checkpoint saved with another world size?)");
+    torch::serialize::InputArchive archive;
+    archive.load_from(file);
+    load(archive);  // checks everything before it changes anything
+  });
+  // Every rank learns whether every rank loaded: a rank whose shard failed keeps its state, and
+  // the others must not go on training from a checkpoint that is not whole.
+  const int64_t failed =
+      detail::agree(pg_, {detail::failure_flag(*pg_, error)}, {}, "ShardedWaveletAdam::load_shard")
+          .max[0];
+  detail::throw_if_failed(*pg_, failed, error, "ShardedWaveletAdam::load_shard",
+                          error.empty() ? " (this rank loaded its own shard: load the checkpoint "
+                                          "again on every rank once every shard loads)"
+                                        : "");
 }
 
 void ShardedWaveletAdam::save_full(const std::string& path) const {
@@ -444,17 +463,27 @@ void ShardedWaveletAdam::save_full(const std::string& path) const {
                ? nullptr
                : static_cast<const WaveletAdamParamState*>(it->second.get());
   };
-  const std::string error = detail::capture([&] {
+  // Rank 0 first makes the optimizer it will write, and every rank knows whether it could, before
+  // any transfer starts (a sender would otherwise wait for a receiver that gave up).
+  std::unique_ptr<WaveletAdam> full;
+  std::string error;
+  if (rank == 0) {
+    error = detail::capture([&] {
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      for (const auto& g : param_groups_) groups.emplace_back(g.params(), g.options().clone());
+      full = std::make_unique<WaveletAdam>(std::move(groups), wavelet_options(param_groups_[0]));
+      full->skipped_steps_ = skipped_steps_;
+    });
+  }
+  int64_t failed = detail::agree(pg_, {detail::failure_flag(*pg_, error)}, {}, what).max[0];
+  detail::throw_if_failed(*pg_, failed, error, what);
+  error = detail::capture([&] {
     if (rank != 0) {
       for (const auto i : c10::irange(params_.size()))
         if (owner_[i] == rank)
           send_state(pg_, owned_state(i), params_[i], 0, static_cast<int>(i), what);
       return;
     }
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    for (const auto& g : param_groups_) groups.emplace_back(g.params(), g.options().clone());
-    WaveletAdam full(std::move(groups), wavelet_options(param_groups_[0]));
-    full.skipped_steps_ = skipped_steps_;
     for (const auto i : c10::irange(params_.size())) {
       std::unique_ptr<WaveletAdamParamState> state;
       if (owner_[i] != 0) {
@@ -462,15 +491,15 @@ void ShardedWaveletAdam::save_full(const std::string& path) const {
       } else if (const auto* mine = owned_state(i)) {
         state = std::make_unique<WaveletAdamParamState>(*mine);  // shares the tensors
       }
-      if (state) full.state()[params_[i].unsafeGetTensorImpl()] = std::move(state);
+      if (state) full->state()[params_[i].unsafeGetTensorImpl()] = std::move(state);
     }
     try {
-      torch::save(full, path);
+      torch::save(*full, path);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, k_who, "::save_full: rank 0 could not write ", path, ": ", e.what());
     }
   });
-  const int64_t failed = detail::agree(pg_, {detail::failure_flag(*pg_, error)}, {}, what).max[0];
+  failed = detail::agree(pg_, {detail::failure_flag(*pg_, error)}, {}, what).max[0];
   detail::throw_if_failed(*pg_, failed, error, what);
 }
 
