@@ -11,9 +11,9 @@
 namespace gwt_bench {
 namespace {
 
-// A core of the Intel Xeon measured keeps too few DRAM misses in flight for the hardware
-// prefetchers alone (README, "Fast kernels"): the floors prefetch 4 KB ahead as gwt's kernels do,
-// or they would not be floors.
+// One core can keep too few DRAM misses in flight for the hardware prefetchers alone
+// (docs/performance.md, "How the kernels work"): the floors prefetch 4 KB ahead as gwt's kernels
+// do, or they would not be floors.
 inline void ahead(const float* x) {
   __builtin_prefetch(x + 1024, 0, 3);
 }
@@ -47,8 +47,8 @@ void scale_add(float* x, const float* add, float add_scale, float scale, int64_t
 // The floors walk p and g 16 values at a time and, in the same loop, the state values those map
 // to (state_div values per state): [i / state_div, (i + 16) / state_div), the last span rounded
 // up to the chunk's end. All arrays advance together, as at::_fused_adam_ walks its seven; each
-// is prefetched 4 KB ahead once per line. (A loop over p and g, then m, then v per chunk was up
-// to 1.3x slower than at::_fused_adam_ moving the same bytes on an AMD EPYC: not a floor there.)
+// is prefetched 4 KB ahead once per line. (A loop over p and g, then m, then v per chunk measured
+// slower than at::_fused_adam_ moving the same bytes: no floor. docs/notes/memory_floors.md.)
 template <typename Group, typename States>
 void for_groups(int64_t i0, int64_t i1, int64_t state_div, int64_t states, const Group& group,
                 const States& state_values) {

@@ -3,7 +3,7 @@
 // Memory floors for gwt_bench_interleaved: loops that move exactly the bytes named and do next to
 // no arithmetic, over a workload's tensors (each its own buffers, so they are evicted like every
 // variant), split over threads as the kernels split a tensor. Their ratio to at::_fused_adam_ says
-// what ratio a step moving those bytes could reach on this machine at best (docs/memory_floors.md).
+// what ratio a step moving those bytes could reach on this machine at best (docs/notes/memory_floors.md).
 // In their own file: at::parallel_for runs in parallel only where the including file is built with
 // -fopenmp, as gwt's kernels are.
 

@@ -9,7 +9,7 @@ mkdir -p "$GWT_ROOT/build" "$GWT_ROOT/results"
 gwt_build "$GWT_ROOT/build" -DGWT_BUILD_BENCHMARKS=ON >&2
 # glibc returns large freed blocks to the kernel (mmap threshold, heap trimming), so an optimizer
 # that allocates temporaries every step (torch::optim::Adam) may page-fault them in again on each
-# step: its time then flips between ~21 and ~62 ms on llama60m from one process to the next. Fixed
+# step, and its time then flips from one process to the next (docs/performance.md). Fixed
 # thresholds keep freed memory in the heap, which measures every variant at its best.
 export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1073741824}"
 export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-4294967296}"

@@ -14,7 +14,7 @@
 #   build-cov/coverage/branches.txt     per-file branches, with the lines that have an untaken one
 #   build-cov/coverage/untaken_branches.txt  each line that ran with a branch no test took
 # GWT_BUILD_LOCK=FILE serialises the configure and build steps with flock on FILE (for machines
-# where several builds share the cores). docs/coverage.md holds the last figures and the list of
+# where several builds share the cores). docs/notes/coverage.md holds the last figures and the list of
 # branches no test reaches.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
@@ -59,7 +59,7 @@ gcovr "${common[@]}" --txt "$out/summary.txt" --html-details "$out/index.html" \
   --json "$out/coverage.json" --print-summary "$dir" | tee "$out/total.txt"
 gcovr "${common[@]}" --branches --txt "$out/branches.txt" "$dir" >/dev/null
 # Lines that ran but have a branch outcome no test took (a TORCH_CHECK that never failed, one side
-# of an if), with the source line: the list docs/coverage.md groups. At -O0 the compiler's own
+# of an if), with the source line: the list docs/notes/coverage.md groups. At -O0 the compiler's own
 # branches (short-circuit terms, temporaries) are counted too, and a template's branches once per
 # instantiation, so read it line by line rather than as a figure.
 python3 - "$out/coverage.json" "$GWT_ROOT" >"$out/untaken_branches.txt" <<'PY'

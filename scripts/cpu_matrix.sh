@@ -10,7 +10,7 @@
 # (AVX, no AVX2) and Haswell (AVX2, FMA, F16C). There every program in the process, LibTorch, MKL
 # and gwt's dispatch, reads that CPU's CPUID, and an AVX instruction run where the CPU has none
 # stops the test with SIGILL: what the settings above cannot show (they switch paths on a CPU that
-# has them all). About 2-3 minutes each. Run by .ci/run after scripts/test.sh.
+# has them all). Run by .ci/run after scripts/test.sh (docs/reliability.md, "Other CPUs").
 #
 #   ./scripts/cpu_matrix.sh [build dir] [gtest filter]
 set -uo pipefail

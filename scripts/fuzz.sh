@@ -15,7 +15,7 @@
 # Environment: GWT_FUZZ_BUILD (build dir, default build-fuzz), GWT_JOBS (build jobs),
 # GWT_FUZZ_RUNS=N (also stop a target after N executions, whichever of the two comes first),
 # GWT_FUZZ_SEED=N (libFuzzer's -seed: the same seed, corpus and binary replay the same inputs in
-# the same order from any clone on the same CPU model (docs/fuzzing.md; another model is not
+# the same order from any clone on the same CPU model (docs/notes/fuzzing.md; another model is not
 # measured since the remedies of 2026-12-06), as long as the run ends by GWT_FUZZ_RUNS rather than
 # SECONDS (see below); so a gate that runs a fixed number of executions passes where the same
 # command passed before the commit on that CPU model; unset, each run draws a seed and
@@ -76,11 +76,11 @@ symbolizer="$(command -v llvm-symbolizer || command -v llvm-symbolizer-14 || tru
 [[ -n "$symbolizer" ]] && symbolizer="$(readlink -f "$symbolizer")"  # one path, whatever PATH says
 
 # The targets run so that a seed replays a run input for input from any clone, on a machine with
-# the same CPU model, the same LibTorch at the same path and the same compiler (docs/fuzzing.md:
+# the same CPU model, the same LibTorch at the same path and the same compiler (docs/notes/fuzzing.md:
 # runs parted with the paths, the environment, address randomisation or -reload left out, and
-# agreed line for line with all of them, also from another clone; an AMD EPYC and an Intel Xeon
-# parted in all six targets before the last two items below, which make runs whose heap was moved
-# on purpose agree, docs/fuzzing.md):
+# agreed line for line with all of them, also from another clone; two CPU models parted in all
+# six targets before the last two items below, which make runs whose heap was moved on purpose
+# agree, docs/notes/fuzzing.md):
 # - the fuzzer runs in the repository's root with relative paths (binary, crash prefix, UBSan's
 #   suppressions) and a corpus directory whose path has a fixed length: a path's length moves the
 #   heap, LibTorch's optimizers keep state in maps keyed by addresses, and the coverage saw how

@@ -9,8 +9,8 @@
 # frame beneath load_from is named and belongs to LibTorch, the C++ library or the sanitizer and
 # fuzzer runtimes (an allow-list of name prefixes). Such a crash happened inside LibTorch's archive
 # reader, on bytes that no gwt code had yet seen (gwt's load() receives the InputArchive that
-# load_from built): a LibTorch defect the harness's screen did not foresee, as README
-# "Reliability" describes.
+# load_from built): a LibTorch defect the harness's screen did not foresee, as docs/reliability.md
+# ("Fuzzing") describes.
 #
 # Everything else is "gwt", the verdict that fails a run: any frame beneath load_from that is gwt's,
 # in an anonymous namespace or unnamed; a report without a stack; an out-of-memory on the RSS limit

@@ -2,12 +2,12 @@
 # Soak run (issue 12, item 6): the tiny LM of examples/train_lm trained for STEPS steps (default
 # 10000) with WaveletAdam (haar L=2) and GaLoreAdam, the optimizer saved and reloaded into a fresh
 # object every EVERY steps (default 1000) and compared bit for bit with a run of the same seed that
-# never reloads. Prints the table and writes it to docs/soak.md; exit status 1 when a check fails.
+# never reloads. Prints the table and writes it to docs/notes/soak.md; exit status 1 when a check fails.
 #
 #   scripts/soak.sh [STEPS] [-- extra lm_soak arguments, e.g. --batch 8 --seq 64]
 #
 # Environment: GWT_SOAK_BUILD (default build/, configured by scripts/test.sh with the examples),
-# GWT_SOAK_NOBUILD=1 uses the binary already built there; GWT_SOAK_DOC (default docs/soak.md).
+# GWT_SOAK_NOBUILD=1 uses the binary already built there; GWT_SOAK_DOC (default docs/notes/soak.md).
 # On a small machine run it below the builds' priority: nice -n 10 scripts/soak.sh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,7 +15,7 @@ steps=10000
 if [[ $# -gt 0 && "$1" != "--" ]]; then steps="$1"; shift; fi
 [[ "${1:-}" == "--" ]] && shift
 build="${GWT_SOAK_BUILD:-$root/build}"
-doc="${GWT_SOAK_DOC:-$root/docs/soak.md}"
+doc="${GWT_SOAK_DOC:-$root/docs/notes/soak.md}"
 
 if [[ "${GWT_SOAK_NOBUILD:-0}" != 1 ]]; then
   source "$root/scripts/setup.sh"

@@ -928,7 +928,7 @@ TEST(Distributed, CompressedAllReduceTrainsTheTinyLmLikeTheFullOne) {
   // CPU rounds differently, and rounding differences grow along a training run, so how far can
   // the ratio move? About as far as a new seed moves it, a far larger perturbation (another
   // initial model and other batches): over 8 seeds (1234 + k for the model, 42 + k for the
-  // batches, k = 0..7; 2026-12-06, AMD EPYC) it was +0.13% to +1.34%, mean +0.59%. So 2% lies
+  // batches, k = 0..7) it was +0.13% to +1.34%, mean +0.59%. So 2% lies
   // 1.5x above the worst seed and about 3.4 standard deviations above the mean, while the schemes
   // that send the band alone or in pieces were 3.4% and 5.4% off (seed 0).
   EXPECT_LT(std::abs(compressed / full_loss - 1.0), 0.02);

@@ -635,7 +635,7 @@ TEST(Errors, CheckpointOfParametersReorderedAcrossDtypesIsRejected) {
   EXPECT_TRUE(state_in(in_order, c2) == state_in(saved, c));
 
   // A model converted as a whole between save and load (Module::to(kDouble)) still loads, its
-  // moments converted (README: save, convert the model, load).
+  // moments converted (docs/options.md: save, convert the model, load).
   at::Tensor a3 = a.detach().to(at::kDouble).requires_grad_(true);
   at::Tensor c3 = c.detach().clone().requires_grad_(true);
   WaveletAdam converted({a3, c3});

@@ -49,7 +49,7 @@ struct Args {
   std::vector<std::string> optimizers = lm::optimizer_names();
   int64_t steps = -1, nproc = 1;
   bool optimizers_given = false;
-  // Tuned on the tiny preset (300-step sweep in the README): each optimizer its best setting.
+  // Tuned on the tiny preset (300-step sweep in docs/results.md): each optimizer its best setting.
   double lr_adamw = 1e-3, lr_wavelet = 3e-3, scale = 0.25;
   bool quiet = false;
 };

@@ -19,7 +19,7 @@
 // so A and B must diverge at the first mark and the soak must fail (exit status 1).
 //
 // The model is the tiny preset's (dim 128, 4 layers, 4 heads); --batch/--seq default to the tiny
-// preset's 16 x 128. The learning rates are the README's (3e-3, scale 0.25, cosine with warm-up).
+// preset's 16 x 128. The learning rates are the main job's (3e-3, scale 0.25, cosine with warm-up).
 
 #include <ATen/ATen.h>
 #include <gwt/gwt.h>

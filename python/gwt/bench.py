@@ -5,7 +5,7 @@ v, o 512x512, gate and up 1376x512, down 512x1376, 25.3M float32 values with fix
 
 - ``gwt.WaveletAdam`` (Haar, level 2, the defaults otherwise: the C++ kernels), and with
   ``nonfinite="skip_param"`` (each tensor's norm pass and update back to back, while its gradient
-  is in the cache, instead of every norm pass first: see the top-level README),
+  is in the cache, instead of every norm pass first: see docs/options.md),
 - ``torch.optim.Adam(foreach=True)`` and ``torch.optim.Adam(fused=True)``,
 - the same GWT rule written in PyTorch ops (``PureTorchGWT`` below), per tensor as the GWT
   authors' optimizer computes it: a multilevel Haar DWT of the gradient, Adam on the

@@ -48,7 +48,7 @@ class DeltaLinear(nn.Module):
     base only: U, V, the reflections and the core keep the base's math dtype (float32 for a
     bfloat16 or float16 base, else the base's) and ``delta_scale`` stays float64. Reflection
     vectors start at norm ~0.58 (PEFT's HRA at ~sqrt(2 in / (3 r))): divide a PEFT HRA learning
-    rate by sqrt(2 in / r) for Adam (README, "Delta adapters").
+    rate by sqrt(2 in / r) for Adam (docs/adapters.md).
     """
 
     def __init__(self, base: nn.Linear, rank: int = 0, reflections: int = 0,

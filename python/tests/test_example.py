@@ -1,4 +1,4 @@
-"""examples/python/train_lm.py runs (a few steps; the full run is the README's)."""
+"""examples/python/train_lm.py runs (a few steps; the full run is in docs/results.md)."""
 
 import pathlib
 import subprocess

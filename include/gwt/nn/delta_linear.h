@@ -19,9 +19,10 @@
 /// striu(Y^T Y) + I / 2): two matrix products with [in, r] factors per application, never an
 /// [in, in] matrix. The forward applies H_1 ... H_r to x's rows when there are at most
 /// out_features of them (tokens: x's elements / in), else to W's rows (cost O(out in r) whatever
-/// the tokens): benchmarks/bench_reflections.cpp (README) found WY faster than r rank-1 updates,
-/// and each side the faster one where its cost is lower. With gram_schmidt(true) the vectors are
-/// orthonormalised in order first (modified Gram-Schmidt), and the product is HRA's I - 2 Q Q^T.
+/// the tokens): benchmarks/bench_reflections.cpp (docs/adapters.md) found WY faster than r
+/// rank-1 updates, and each side the faster one where its cost is lower. With gram_schmidt(true)
+/// the vectors are orthonormalised in order first (modified Gram-Schmidt), and the product is
+/// HRA's I - 2 Q Q^T.
 ///
 /// Start: V is random and U zero, so the delta starts at exactly zero and a layer without
 /// reflections computes what its base computes, bit for bit. Reflections start in equal pairs
@@ -36,7 +37,7 @@
 /// norm ~sqrt(2 in / (3 r)) (~18 at in = 4096, r = 8). A reflection depends on its vector's
 /// direction only, and the gradient scales as 1 / norm: an Adam step of lr turns gwt's vectors
 /// sqrt(2 in / r) times (32 at in = 4096, r = 8) as far as PEFT's, an SGD step 2 in / r times. So
-/// divide a PEFT HRA learning rate by that factor (README, "Delta adapters").
+/// divide a PEFT HRA learning rate by that factor (docs/adapters.md).
 ///
 /// State: the module's parameters (weight, bias, U, V, reflections, core) and the scale, whose
 /// saved value is the one buffer, `delta_scale` (float64): load() and resize_rank() set it together
