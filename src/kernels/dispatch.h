@@ -81,6 +81,14 @@ auto with_types(const HaarAdamArgs& args, Fn&& fn) {
   }
 }
 
+/// with_types for the kinds alone (the multi-tensor groups' keys).
+template <typename Fn>
+auto with_kinds(ScalarKind param_kind, ScalarKind state_kind, bool math_f64, Fn&& fn) {
+  HaarAdamArgs args;
+  args.param_kind = param_kind, args.state_kind = state_kind, args.math_f64 = math_f64;
+  return with_types(args, fn);
+}
+
 /// As with_types, with the gradient's type as well: Types::grad_t is float when args.grad_f32 (the
 /// float32 gradient of a float16/bfloat16 parameter), the parameter's type otherwise. The CPU
 /// bodies dispatch here.
@@ -99,9 +107,9 @@ auto with_grad_types(const HaarAdamArgs& args, Fn&& fn) {
 /// Whether every type is float, bfloat16 or float16: the tensors the AVX2 bodies read and write
 /// (values8_avx2.h), with the math in float.
 template <typename... T>
-constexpr bool k_avx2_value_types =
-    ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
-      std::is_same_v<T, c10::Half>)&&...);
+constexpr bool k_avx2_value_types = ((std::is_same_v<T, float> ||
+                                      std::is_same_v<T, c10::BFloat16> ||
+                                      std::is_same_v<T, c10::Half>)&&...);
 
 /// Adam's moments of one coefficient after this step, in the math type and rounded to S as they
 /// will be stored, so that the limiter and the update see what the next step will read.

@@ -4,6 +4,7 @@
 #define GWT_KERNEL_NS baseline
 #include "dense_adam_cpu_impl.h"
 #include "haar_adam_cpu_impl.h"
+#include "multi_tensor.h"
 
 namespace gwt {
 namespace kernels {
@@ -63,6 +64,12 @@ bool built_with_cuda() {
 bool cuda_kernels_run_on(int) {
   return false;
 }
+namespace mt {
+void multi_tensor_step_cuda(const std::vector<Group>&, const StepLayout&, unsigned char*,
+                            StepFlags*) {
+  TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
+}
+}  // namespace mt
 void haar_adam_norm_sq_cuda(const HaarAdamArgs&, void*) {
   TORCH_CHECK(false, "gwt was built without CUDA kernels (configure with -DGWT_CUDA=ON)");
 }

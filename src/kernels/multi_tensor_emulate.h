@@ -1,0 +1,74 @@
+#pragma once
+
+// The multi-tensor kernels (multi_tensor.h) run on the host, as the GPU runs them: every block of
+// each launch's grid, every thread of a block, the phases split where cuda/multi_tensor_adam.cu
+// has a barrier, the same functions in between. The tests compare steps through it with the CPU
+// reference, so the device code is tested on machines without a GPU.
+
+#include <cstdint>
+#include <vector>
+
+#include "dispatch.h"
+#include "multi_tensor.h"
+
+namespace gwt {
+namespace kernels {
+namespace mt {
+namespace {
+
+/// The block's tree sum (tree_step at each barrier), leaving the sum in s[0].
+inline void host_tree_sum(double* s) {
+  for (int half = k_threads / 2; half > 0; half /= 2)
+    for (int lane = 0; lane < k_threads; ++lane) tree_step(s, lane, half);
+}
+
+struct HostKernels {
+  void norm(const GroupKey& key, const Launch& l) const {
+    with_kinds(key.param_kind, key.state_kind, key.math_f64, [&](auto types) {
+      using T = decltype(types);
+      double s[k_threads];
+      for (int64_t c = 0; c < l.num_chunks; ++c) {
+        for (int lane = 0; lane < k_threads; ++lane)
+          s[lane] = norm_share<typename T::param_t, typename T::state_t, typename T::acc_t>(
+              l, c, lane);
+        host_tree_sum(s);
+        l.partials[c] = s[0];
+        norm_bookkeeping(l, c);
+      }
+    });
+  }
+  void finalize(const GroupKey& key, const Launch& l) const {
+    with_kinds(key.param_kind, key.state_kind, key.math_f64, [&](auto types) {
+      using T = decltype(types);
+      double s[k_threads];
+      for (int64_t i = 0; i < l.num_tensors; ++i) {
+        for (int lane = 0; lane < k_threads; ++lane) s[lane] = partials_share(l, i, lane);
+        host_tree_sum(s);
+        finalize_tensor<typename T::acc_t>(l, i, s[0]);
+      }
+    });
+  }
+  void update(const GroupKey& key, const Launch& l) const {
+    with_kinds(key.param_kind, key.state_kind, key.math_f64, [&](auto types) {
+      using T = decltype(types);
+      for (int64_t c = 0; c < l.num_chunks; ++c) {
+        for (int lane = 0; lane < k_threads; ++lane)
+          update_share<typename T::param_t, typename T::state_t, typename T::acc_t>(l, c, lane);
+        update_bookkeeping<typename T::acc_t>(l, c);
+      }
+    });
+  }
+};
+
+/// One step of `groups` on the host (their pointers are host memory), with the step-wide `flags`.
+inline void emulate_step(const std::vector<Group>& groups, StepFlags* flags) {
+  const StepLayout layout(groups);
+  std::vector<unsigned char> buffer(layout.bytes());
+  layout.write(groups, buffer.data());
+  run_step(groups, layout, buffer.data(), flags, HostKernels{});
+}
+
+}  // namespace
+}  // namespace mt
+}  // namespace kernels
+}  // namespace gwt
