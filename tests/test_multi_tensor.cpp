@@ -4,13 +4,16 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/serialize.h>
 
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "../src/kernels/multi_tensor.h"
 #include "../src/kernels/multi_tensor_emulate.h"
+#include "../src/optim/wavelet_adam_device.h"
 #include "float_bound.h"
 #include "gwt/gwt.h"
 #include "test_util.h"
@@ -113,7 +116,8 @@ struct StepRun {
   int64_t chunk_values;
   int64_t launches = 0;
 
-  StepRun(std::vector<Spec> s, const std::vector<at::Tensor>& inits, int64_t chunk, bool with_reference)
+  StepRun(std::vector<Spec> s, const std::vector<at::Tensor>& inits, int64_t chunk,
+          bool with_reference)
       : specs(std::move(s)), chunk_values(chunk) {
     std::vector<torch::optim::OptimizerParamGroup> groups;
     for (size_t i = 0; i < specs.size(); ++i) {
@@ -123,8 +127,7 @@ struct StepRun {
     }
     reference = std::make_unique<WaveletAdam>(groups, WaveletAdamOptions(0.02));
     for (size_t i = 0; i < specs.size(); ++i)
-      emulated.push_back(
-          make_emulated(inits[i], specs[i], reference->is_wavelet_param(exact[i])));
+      emulated.push_back(make_emulated(inits[i], specs[i], reference->is_wavelet_param(exact[i])));
     if (!with_reference) reference.reset();
   }
 
@@ -149,9 +152,9 @@ struct StepRun {
 std::vector<Spec> mixed_specs(size_t count, const std::vector<at::ScalarType>& dtypes,
                               bool with_dense) {
   const std::vector<Spec> kinds = {
-      {{16, 64}, 2},        {{5, 37}, 1},       {{3, 11, 33}, 3},       {{7, 130}, 4},
-      {{8, 8}, 2, "2d"},    {{24, 40}, 3, "2d"}, {{2, 13, 21}, 1, "2d"}, {{6, 40}, 2},
-      {{33}, 2},            {{9, 10}, 0}};
+      {{16, 64}, 2},     {{5, 37}, 1},        {{3, 11, 33}, 3},       {{7, 130}, 4},
+      {{8, 8}, 2, "2d"}, {{24, 40}, 3, "2d"}, {{2, 13, 21}, 1, "2d"}, {{6, 40}, 2},
+      {{33}, 2},         {{9, 10}, 0}};
   std::vector<Spec> out;
   for (size_t i = 0; out.size() < count; ++i) {
     Spec s = kinds[i % kinds.size()];
@@ -166,7 +169,8 @@ std::vector<Spec> mixed_specs(size_t count, const std::vector<at::ScalarType>& d
 std::vector<at::Tensor> inits_of(const std::vector<Spec>& specs, int64_t seed) {
   at::manual_seed(seed);
   std::vector<at::Tensor> out;
-  for (const Spec& s : specs) out.push_back(at::randn(s.shape, at::kDouble).to(s.param).to(at::kDouble));
+  for (const Spec& s : specs)
+    out.push_back(at::randn(s.shape, at::kDouble).to(s.param).to(at::kDouble));
   return out;
 }
 
@@ -176,10 +180,11 @@ std::vector<std::vector<at::Tensor>> gradients_of(const std::vector<Spec>& specs
                                                   int64_t seed) {
   std::vector<std::vector<at::Tensor>> by_step(static_cast<size_t>(steps));
   for (size_t i = 0; i < specs.size(); ++i) {
-    const auto g = gwt_test::well_conditioned_gradients(
-        specs[i].shape, steps, seed + static_cast<int64_t>(i), specs[i].param,
-        specs[i].transform == "2d");
-    for (int t = 0; t < steps; ++t) by_step[static_cast<size_t>(t)].push_back(g[static_cast<size_t>(t)]);
+    const auto g =
+        gwt_test::well_conditioned_gradients(specs[i].shape, steps, seed + static_cast<int64_t>(i),
+                                             specs[i].param, specs[i].transform == "2d");
+    for (int t = 0; t < steps; ++t)
+      by_step[static_cast<size_t>(t)].push_back(g[static_cast<size_t>(t)]);
   }
   return by_step;
 }
@@ -225,24 +230,22 @@ TEST(MultiTensor, StepsOf1To500TensorsMatchTheReferenceInFloat64) {
 // tests/test_fused.cpp's CUDA check: 1e-4 of |p| in float32, 0.01 float16, 0.05 bfloat16, 0.1
 // with bfloat16 moments).
 TEST(MultiTensor, ReducedPrecisionStaysWithinTheRoundingBound) {
-  const std::vector<Spec> specs =
-      mixed_specs(56, {at::kFloat, at::kBFloat16, at::kHalf}, false);
+  const std::vector<Spec> specs = mixed_specs(56, {at::kFloat, at::kBFloat16, at::kHalf}, false);
   const auto inits = inits_of(specs, 42);
   StepRun run(specs, inits, 2048, true);
   std::vector<gwt_test::RoundingBound> bounds;
   for (const Spec& s : specs)
-    bounds.emplace_back(s.shape, options_of(s), s.param,
-                        s.bf16_state ? at::kBFloat16 : at::kFloat);
+    bounds.emplace_back(s.shape, options_of(s), s.param, s.bf16_state ? at::kBFloat16 : at::kFloat);
   for (const auto& grads : gradients_of(specs, 4, 43)) {
     run.step(grads);
     EXPECT_EQ(run.launches, 3 * 6);  // (f32|bf16|f16 parameters) x (f32|bf16 moments)
     for (size_t i = 0; i < specs.size(); ++i) {
       const Spec& s = specs[i];
       bounds[i].step(grads[i], run.exact[i].detach());
-      const double max_relative = s.bf16_state               ? 0.1
-                                  : s.param == at::kFloat    ? 1e-4
-                                  : s.param == at::kHalf     ? 0.01
-                                                             : 0.05;
+      const double max_relative = s.bf16_state            ? 0.1
+                                  : s.param == at::kFloat ? 1e-4
+                                  : s.param == at::kHalf  ? 0.01
+                                                          : 0.05;
       gwt_test::expect_within_bound(run.emulated[i].p, run.exact[i].detach(), bounds[i],
                                     max_relative, c10::str("tensor ", i, " ", s.param));
     }
@@ -276,8 +279,8 @@ TEST(MultiTensor, LaunchesDoNotGrowWithTheTensorCount) {
     mt::Planner planner;
     std::vector<Emulated> tensors;
     for (const Spec& s : specs) {
-      tensors.push_back(make_emulated(at::zeros(s.shape, at::kDouble), s,
-                                      s.shape.size() > 1 && s.level > 0));
+      tensors.push_back(
+          make_emulated(at::zeros(s.shape, at::kDouble), s, s.shape.size() > 1 && s.level > 0));
       planner.add(tensors.back().key, tensors.back().meta);
     }
     // float32 and bfloat16 parameters with float32 or bfloat16 moments, and float64.
@@ -312,6 +315,89 @@ TEST(MultiTensor, NonFiniteGradientsSkipAsTheReferenceDoes) {
   EXPECT_EQ(run.flags.skipped_steps, 2);
   EXPECT_EQ(run.emulated[2].counts[mt::k_steps].item<int64_t>(), 3);
   EXPECT_EQ(run.emulated[0].counts[mt::k_steps].item<int64_t>(), 4);
+}
+
+// WaveletAdam's own step through the device path (wavelet_adam_device.h: counts, skip counts and
+// norms kept with the kernels, read back when asked), here with the kernels emulated on the host,
+// against the same optimizer on the CPU path: the same parameters (float64: within the rounding
+// bound's 1e-10 of |p| on one-sign rows, as above), the same skip counts and step counts, and a
+// checkpoint of the device run that a CPU run resumes from. A step on the other path between
+// device steps (the counts go back to the host and return) changes nothing either.
+TEST(MultiTensor, WaveletAdamOnTheDevicePathMatchesTheHostPath) {
+  struct Emulation {
+    explicit Emulation(bool on) { gwt::wavelet_adam_detail::emulate_device_steps_on_cpu(on); }
+    ~Emulation() { gwt::wavelet_adam_detail::emulate_device_steps_on_cpu(false); }
+  };
+  std::vector<Spec> specs = mixed_specs(7, {at::kDouble}, true);
+  const auto inits = inits_of(specs, 48);
+  auto make = [&](std::vector<at::Tensor>& params) {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      params.push_back(inits[i].clone().requires_grad_(true));
+      auto o = options_of(specs[i]).fused(true).nonfinite(i % 2 == 0 ? "skip_param" : "skip_step");
+      groups.emplace_back(std::vector<at::Tensor>{params.back()},
+                          std::make_unique<WaveletAdamOptions>(o));
+    }
+    return std::make_unique<WaveletAdam>(groups, WaveletAdamOptions(0.02));
+  };
+  std::vector<at::Tensor> dev_params, host_params;
+  auto device = make(dev_params), host = make(host_params);
+  auto grads = gradients_of(specs, 8, 49);
+  grads[1][2].view(-1)[1] = NAN;       // step 2: tensor 2 ("skip_param") alone
+  grads[0][4].view(-1)[2] = NAN;       // step 1: tensor 4 ("skip_param") skips its first step
+  grads[3][1].view(-1)[0] = INFINITY;  // step 4: tensor 1 ("skip_step"): the whole step
+  auto expect_same = [&](const std::vector<at::Tensor>& a, const WaveletAdam& a_opt,
+                         const std::string& what) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      EXPECT_LE(gwt_test::rel_error(a[i].detach(), host_params[i].detach()), 1e-10)
+          << what << " tensor " << i;
+      EXPECT_EQ(a_opt.skipped_steps(a[i]), host->skipped_steps(host_params[i])) << what << i;
+    }
+    EXPECT_EQ(a_opt.skipped_steps(), host->skipped_steps()) << what;
+  };
+  for (size_t t = 0; t < 6; ++t) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      dev_params[i].mutable_grad() = grads[t][i].clone();
+      host_params[i].mutable_grad() = grads[t][i].clone();
+    }
+    host->step();
+    const Emulation on(t != 2);  // step 3 on the host path
+    device->step();
+  }
+  expect_same(dev_params, *device, "after 6 steps");
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& a = static_cast<const gwt::WaveletAdamParamState&>(
+        *device->state().at(dev_params[i].unsafeGetTensorImpl()));
+    const auto& b = static_cast<const gwt::WaveletAdamParamState&>(
+        *host->state().at(host_params[i].unsafeGetTensorImpl()));
+    EXPECT_EQ(a.step(), b.step()) << "tensor " << i;
+    EXPECT_EQ(a.norm().defined(), b.norm().defined()) << "tensor " << i;
+  }
+  // The device run's checkpoint, resumed on the CPU path.
+  std::stringstream saved;
+  {
+    torch::serialize::OutputArchive archive;
+    device->save(archive);
+    archive.save_to(saved);
+  }
+  std::vector<at::Tensor> resumed_params;
+  auto resumed = make(resumed_params);
+  for (size_t i = 0; i < specs.size(); ++i)
+    resumed_params[i].detach().copy_(dev_params[i].detach());
+  {
+    torch::serialize::InputArchive archive;
+    archive.load_from(saved);
+    resumed->load(archive);
+  }
+  for (size_t t = 6; t < 8; ++t) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      resumed_params[i].mutable_grad() = grads[t][i].clone();
+      host_params[i].mutable_grad() = grads[t][i].clone();
+    }
+    host->step();
+    resumed->step();
+  }
+  expect_same(resumed_params, *resumed, "resumed");
 }
 
 }  // namespace

@@ -414,9 +414,12 @@ py::dict step(const py::list& groups, const py::object& state) {
   // those parameters' moments in place: their step counts and limiter norms go back to Python too,
   // as the C++ optimizer keeps them, before the error is raised. (An error found by the checks
   // before any update writes back the state unchanged.)
+  // The counters first: for CUDA parameters, reading them brings the C++ states' step counts and
+  // norms up from the device (WaveletAdam keeps them there during a step).
+  const auto counters = Traits::counters(*engine.optimizer);
   write_state(engine, state);
   if (failure) std::rethrow_exception(failure);
-  return counters_dict(Traits::counters(*engine.optimizer));
+  return counters_dict(counters);
 }
 
 // Construction-time check of one group (options and parameters), as a ValueError.

@@ -39,7 +39,7 @@ namespace gwt {
 namespace kernels {
 namespace mt {
 
-constexpr int k_threads = 256;                // threads per block of every multi-tensor kernel
+constexpr int k_threads = 256;                 // threads per block of every multi-tensor kernel
 constexpr int64_t k_chunk_values = 32 * 1024;  // gradient values per chunk (128 per thread)
 
 enum class Kind : int32_t { haar = 0, dense = 1 };
@@ -60,13 +60,13 @@ struct TensorMeta {
   int32_t correct_bias = 1;
   int32_t skip_param = 0;  ///< nonfinite("skip_param"): skipped alone
   int32_t two_d = 0;
-  int64_t rows = 0, n = 0;      ///< Haar: rows of length n; dense: n values (rows 1)
-  int64_t approx_len = 0;       ///< Haar: ceil(n / block)
-  int64_t block = 1;            ///< Haar: 2^level
-  int64_t height = 1;           ///< 2-D: rows of each matrix
-  int64_t block_rows = 1;       ///< 2-D: ceil(height / block)
-  int64_t state_rows = 0;       ///< rows of the moments
-  double approx_scale = 1;      ///< 2^(-level/2), 2-D: 2^(-level)
+  int64_t rows = 0, n = 0;  ///< Haar: rows of length n; dense: n values (rows 1)
+  int64_t approx_len = 0;   ///< Haar: ceil(n / block)
+  int64_t block = 1;        ///< Haar: 2^level
+  int64_t height = 1;       ///< 2-D: rows of each matrix
+  int64_t block_rows = 1;   ///< 2-D: ceil(height / block)
+  int64_t state_rows = 0;   ///< rows of the moments
+  double approx_scale = 1;  ///< 2^(-level/2), 2-D: 2^(-level)
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, lr = 0, weight_decay = 0, scale = 1, gamma = 0;
   int64_t first_chunk = 0, chunks = 0;  ///< this tensor's chunks in the launch's chunk list
 };
@@ -88,8 +88,8 @@ struct TensorResult {
 
 /// Step-wide flags and the optimizer's skip count (device memory, kept between steps).
 struct StepFlags {
-  int32_t found_inf;     ///< a "skip_step" tensor's gradient is not finite: nothing steps
-  int32_t any_skipped;   ///< a "skip_param" tensor was skipped
+  int32_t found_inf;      ///< a "skip_step" tensor's gradient is not finite: nothing steps
+  int32_t any_skipped;    ///< a "skip_param" tensor was skipped
   int64_t skipped_steps;  ///< steps with anything skipped (WaveletAdam::skipped_steps)
 };
 
@@ -98,8 +98,8 @@ struct Launch {
   const TensorMeta* tensors = nullptr;
   const Chunk* chunks = nullptr;
   int64_t num_tensors = 0, num_chunks = 0;
-  double* partials = nullptr;        ///< [num_chunks]
-  TensorResult* results = nullptr;   ///< [num_tensors]
+  double* partials = nullptr;       ///< [num_chunks]
+  TensorResult* results = nullptr;  ///< [num_tensors]
   StepFlags* flags = nullptr;
   int32_t first_of_step = 0;  ///< the step's first norm launch clears the step-wide flags
   int32_t last_of_step = 0;   ///< the step's last update launch counts a skipped step
@@ -387,7 +387,6 @@ class Planner {
   int64_t chunk_values_;
   std::vector<Group> groups_;
 };
-
 
 /// Where a step's metadata and scratch lie in one buffer (device memory for CUDA, host memory for
 /// the emulation): for each group, its tensors, chunks, partials and results, 16-byte aligned.

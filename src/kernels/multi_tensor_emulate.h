@@ -29,8 +29,8 @@ struct HostKernels {
       double s[k_threads];
       for (int64_t c = 0; c < l.num_chunks; ++c) {
         for (int lane = 0; lane < k_threads; ++lane)
-          s[lane] = norm_share<typename T::param_t, typename T::state_t, typename T::acc_t>(
-              l, c, lane);
+          s[lane] =
+              norm_share<typename T::param_t, typename T::state_t, typename T::acc_t>(l, c, lane);
         host_tree_sum(s);
         l.partials[c] = s[0];
         norm_bookkeeping(l, c);

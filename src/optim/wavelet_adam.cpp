@@ -18,6 +18,7 @@
 #include "gwt/transform.h"
 #include "gwt/wavelet.h"
 #include "wavelet_adam_detail.h"
+#include "wavelet_adam_device.h"
 
 namespace gwt {
 
@@ -585,6 +586,19 @@ void update_param(const Work& work) {
     reference_update(work, state, step_size);
 }
 
+// Whether a parameter's step can run in the multi-tensor CUDA kernels (wavelet_adam_device.h):
+// fused Haar or dense, contiguous, its gradient of its dtype, on `device`.
+bool device_eligible(const Work& w, const c10::Device& device) {
+  const at::Tensor& p = w.param;
+  const at::Tensor& g = p.grad();
+  const bool haar = w.path == Path::haar, dense = !w.plan.wavelet && w.options->fused();
+  const bool runs = device.is_cpu() ? wavelet_adam_detail::device_steps_emulated()
+                                    : device.is_cuda() && kernels::built_with_cuda() &&
+                                          kernels::cuda_kernels_run_on(device.index());
+  return p.device() == device && (haar || dense) && runs && p.is_contiguous() &&
+         g.scalar_type() == p.scalar_type() && g.is_contiguous() && g.layout() == at::kStrided;
+}
+
 // Pass 1 of a step: checks everything a caller can get wrong (options, parameters, gradients, the
 // state they meet) and says how each parameter with a gradient will be stepped. Reads only; `State`
 // is the optimizer's state map.
@@ -728,6 +742,27 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
   }
   assign_carry(work, carry_);
 
+  // CUDA: when every parameter of the step can take the multi-tensor kernels, one step of them,
+  // deciding on the device what the loop below decides on the host (a skipped first step keeps
+  // the fresh, zero state with step 0, as "skip_param" does). Otherwise the host's counts are
+  // brought up to date and the step goes on below.
+  const c10::Device first_device = work.front().param.device();
+  if (std::all_of(work.begin(), work.end(),
+                  [&](const Work& w) { return device_eligible(w, first_device); })) {
+    std::vector<wavelet_adam_detail::DeviceItem> items;
+    for (auto& w : work) {
+      if (w.fresh_state) state_[w.param.unsafeGetTensorImpl()] = std::move(w.fresh_state);
+      items.push_back({w.param, w.options, w.state, w.plan.wavelet, w.plan.two_d});
+    }
+    if (!device_steps_) device_steps_ = std::make_shared<wavelet_adam_detail::DeviceSteps>();
+    device_steps_->step(items);
+    return loss;
+  }
+  if (device_steps_ && !device_steps_->empty()) {
+    sync_device_steps();
+    device_steps_->clear();
+  }
+
   // A NaN or infinity in any gradient of a "skip_step" group skips the whole step. The fused norm
   // pass reads only and turns NaN on such a gradient, so it is the check for its parameters; other
   // CPU gradients take one read each, gradients on other devices one synchronisation for all of
@@ -807,7 +842,26 @@ std::pair<int64_t, int64_t> WaveletAdam::kept_details() const {
   return {kept, total};
 }
 
+void WaveletAdam::sync_device_steps() const {
+  if (!device_steps_ || device_steps_->empty()) return;
+  // Logically const: the host's copy of the counts catches up with the device's.
+  auto& self = const_cast<WaveletAdam&>(*this);
+  device_steps_->sync(
+      [&self](const void* key) -> WaveletAdamParamState* {
+        auto it = self.state_.find(const_cast<void*>(key));
+        return it == self.state_.end() ? nullptr
+                                       : static_cast<WaveletAdamParamState*>(it->second.get());
+      },
+      skipped_steps_);
+}
+
+int64_t WaveletAdam::skipped_steps() const {
+  sync_device_steps();
+  return skipped_steps_;
+}
+
 int64_t WaveletAdam::skipped_steps(const at::Tensor& param) const {
+  sync_device_steps();
   auto it = state_.find(param.unsafeGetTensorImpl());
   return it == state_.end() ? 0 : static_cast<const WaveletAdamParamState&>(*it->second).skipped();
 }

@@ -13,6 +13,7 @@
 #include "common.h"
 #include "gwt/optim/wavelet_adam.h"
 #include "wavelet_adam_detail.h"
+#include "wavelet_adam_device.h"
 
 namespace gwt {
 
@@ -85,6 +86,7 @@ void prepare_loaded_state(WaveletAdamParamState& state, const at::Tensor& param,
 }  // namespace wavelet_adam_detail
 
 void WaveletAdam::save(torch::serialize::OutputArchive& archive) const {
+  sync_device_steps();
   optim_detail::save_checkpoint<WaveletAdamOptions, WaveletAdamParamState>(
       *this, archive, k_format, {{"skipped_steps", skipped_steps_}});
   optim_detail::save_param_digests(*this, archive);
@@ -115,6 +117,8 @@ void WaveletAdam::load(torch::serialize::InputArchive& archive) {
         wavelet_adam_detail::check_options_fit(param, options, next_step);
       });
   skipped_steps_ = counters.at("skipped_steps");
+  // The loaded counts are the host's; the device's, if any, are stale now.
+  if (device_steps_) device_steps_->clear();
 }
 
 }  // namespace gwt

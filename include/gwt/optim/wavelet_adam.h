@@ -9,6 +9,7 @@
 #include <torch/serialize/archive.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -16,6 +17,9 @@
 
 namespace gwt {
 
+namespace wavelet_adam_detail {
+class DeviceSteps;
+}  // namespace wavelet_adam_detail
 namespace distributed {
 class ShardedWaveletAdam;
 }
@@ -157,7 +161,7 @@ class WaveletAdam : public torch::optim::Optimizer {
   bool is_fused_param(const at::Tensor& param) const;
   /// Steps skipped because a gradient was not finite (with "skip_param" groups: steps in which
   /// at least one parameter was skipped).
-  int64_t skipped_steps() const { return skipped_steps_; }
+  int64_t skipped_steps() const;
   /// Steps `param` skipped alone for a non-finite gradient of its own, in a "skip_param" group
   /// (whole-step skips are counted by skipped_steps() only).
   int64_t skipped_steps(const at::Tensor& param) const;
@@ -165,7 +169,13 @@ class WaveletAdam : public torch::optim::Optimizer {
   const WaveletAdamOptions& group_options(size_t i) const;
 
  private:
-  int64_t skipped_steps_ = 0;
+  // CUDA parameters' counts and limiter norms are kept on the device between steps (the
+  // multi-tensor step); this brings the host's state and skipped_steps_ up to date.
+  void sync_device_steps() const;
+
+  mutable int64_t skipped_steps_ = 0;
+  // The multi-tensor step of CUDA parameters (src/optim/wavelet_adam_device.h).
+  std::shared_ptr<wavelet_adam_detail::DeviceSteps> device_steps_;
   // Scratch of the fused Haar CPU passes (kernels::HaarAdamArgs::carry), at most 4 MB, kept
   // between steps; not optimizer state.
   std::vector<float> carry_;

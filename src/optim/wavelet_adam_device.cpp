@@ -1,0 +1,178 @@
+#include "wavelet_adam_device.h"
+
+#include <c10/core/DeviceGuard.h>
+
+#ifdef GWT_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
+#include <atomic>
+#include <cstring>
+#include <tuple>
+
+#include "common.h"
+#include "kernels/multi_tensor.h"
+#include "kernels/multi_tensor_emulate.h"
+
+namespace gwt {
+namespace wavelet_adam_detail {
+
+namespace mt = kernels::mt;
+
+struct DeviceSteps::Impl {
+  // Per parameter (by TensorImpl): its counts, int64 [2] (mt::Count) on its device.
+  std::unordered_map<const void*, at::Tensor> counts;
+  // mt::StepFlags (int32, int32, int64) on the device; zeroed when made.
+  at::Tensor flags;
+  // The last metadata uploaded, and where: a step with the same bytes uploads nothing.
+  std::vector<unsigned char> uploaded;
+  at::Tensor device_metadata;
+};
+
+DeviceSteps::DeviceSteps() : impl_(std::make_unique<Impl>()) {}
+DeviceSteps::~DeviceSteps() = default;
+
+bool DeviceSteps::empty() const {
+  return impl_->counts.empty() && !impl_->flags.defined();
+}
+
+void DeviceSteps::clear() {
+  impl_ = std::make_unique<Impl>();
+}
+
+namespace {
+
+std::atomic<bool> emulated{false};
+
+bool capturing() {
+#ifdef GWT_WITH_CUDA
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  return false;
+#endif
+}
+
+mt::TensorMeta meta_of(const DeviceItem& item, const at::Tensor& counts) {
+  const WaveletAdamOptions& o = *item.options;
+  const at::Tensor& p = item.param;
+  mt::TensorMeta t;
+  if (item.wavelet) {
+    t.n = p.size(-1);
+    t.rows = p.numel() / t.n;
+    t.two_d = item.two_d;
+    if (t.two_d) t.height = p.size(-2);
+    mt::complete_haar_meta(t, o.level());
+  } else {
+    t.kind = mt::Kind::dense;
+    t.n = p.numel();
+    t.rows = 1;
+  }
+  t.param = p.data_ptr();
+  t.grad = p.grad().data_ptr();
+  t.exp_avg = item.state->exp_avg().data_ptr();
+  t.exp_avg_sq = item.state->exp_avg_sq().data_ptr();
+  t.norm = item.state->norm().defined() ? item.state->norm().data_ptr() : nullptr;
+  t.counts = counts.data_ptr<int64_t>();
+  std::tie(t.beta1, t.beta2) = o.betas();
+  t.eps = o.eps(), t.lr = o.lr(), t.weight_decay = o.weight_decay(), t.scale = o.scale();
+  t.gamma = item.wavelet ? o.norm_growth_limit() : 0.0;
+  t.correct_bias = o.correct_bias();
+  t.skip_param = o.nonfinite() == "skip_param";
+  return t;
+}
+
+}  // namespace
+
+void DeviceSteps::step(const std::vector<DeviceItem>& items) {
+  TORCH_INTERNAL_ASSERT(!items.empty());
+  const c10::Device device = items.front().param.device();
+  const c10::DeviceGuard guard(device);
+  const bool graph = device.is_cuda() && capturing();
+  Impl& d = *impl_;
+  auto first_use = [graph](const char* what) {
+    TORCH_CHECK(!graph, "gwt::WaveletAdam: a CUDA graph is being captured, and this step needs ",
+                what,
+                " first; run one step before the capture (warm-up) with the same parameters, "
+                "gradients and options");
+  };
+  if (!d.flags.defined()) {
+    first_use("the optimizer's device flags");
+    d.flags = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
+  }
+  mt::Planner planner;
+  for (const DeviceItem& item : items) {
+    auto it = d.counts.find(item.param.unsafeGetTensorImpl());
+    if (it == d.counts.end()) {
+      first_use("the parameter's step counts on the device");
+      const at::Tensor host = at::tensor({item.state->step(), item.state->skipped()}, at::kLong);
+      it = d.counts.emplace(item.param.unsafeGetTensorImpl(), host.to(device)).first;
+    }
+    // The limiter's saved norm lives on the device in the math type; -1: none yet.
+    if (item.wavelet && item.options->norm_growth_limit() > 0 &&
+        !(item.state->norm().defined() && item.state->norm().device() == device)) {
+      first_use("the limiter's norm on the device");
+      const auto math = item.param.options().dtype(optim_detail::compute_dtype(item.param));
+      item.state->norm(item.state->norm().defined() ? item.state->norm().to(math).reshape({})
+                                                    : at::full({}, -1.0, math));
+    }
+    const at::ScalarType state = item.state->exp_avg().scalar_type();
+    const mt::GroupKey key{optim_detail::kind_of(item.param.scalar_type()),
+                           optim_detail::kind_of(state),
+                           optim_detail::compute_dtype(item.param) == at::kDouble};
+    planner.add(key, meta_of(item, it->second));
+  }
+  const mt::StepLayout layout(planner.groups());
+  std::vector<unsigned char> bytes(layout.bytes());
+  layout.write(planner.groups(), bytes.data());
+  if (device.is_cpu()) {  // emulate_device_steps_on_cpu: the kernels' bodies on the host
+    d.uploaded = std::move(bytes);
+    mt::run_step(planner.groups(), layout, d.uploaded.data(),
+                 static_cast<mt::StepFlags*>(d.flags.data_ptr()), mt::HostKernels{});
+    return;
+  }
+  if (bytes != d.uploaded) {
+    first_use("its tensors' metadata on the device (the parameters, gradients or options changed)");
+    if (!d.device_metadata.defined() ||
+        d.device_metadata.numel() < static_cast<int64_t>(bytes.size()))
+      d.device_metadata = at::empty({static_cast<int64_t>(bytes.size())},
+                                    at::TensorOptions().dtype(at::kByte).device(device));
+    // From pinned memory, queued on the stream after the previous step's kernels: nothing waits.
+    at::Tensor pinned = at::empty({static_cast<int64_t>(bytes.size())},
+                                  at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(pinned.data_ptr(), bytes.data(), bytes.size());
+    d.device_metadata.narrow(0, 0, pinned.numel()).copy_(pinned, /*non_blocking=*/true);
+    d.uploaded = std::move(bytes);
+  }
+  mt::multi_tensor_step_cuda(planner.groups(), layout,
+                             static_cast<unsigned char*>(d.device_metadata.data_ptr()),
+                             static_cast<mt::StepFlags*>(d.flags.data_ptr()));
+}
+
+void DeviceSteps::sync(const std::function<WaveletAdamParamState*(const void*)>& state_of,
+                       int64_t& skipped_steps) {
+  Impl& d = *impl_;
+  for (const auto& [key, counts] : d.counts) {
+    WaveletAdamParamState* state = state_of(key);
+    if (state == nullptr) continue;
+    const at::Tensor host = counts.cpu();
+    state->step(host[mt::k_steps].item<int64_t>());
+    state->skipped(host[mt::k_skipped].item<int64_t>());
+    if (state->norm().defined() && state->norm().item<double>() < 0) state->norm(at::Tensor());
+  }
+  if (d.flags.defined()) {
+    // StepFlags::skipped_steps is the second int64.
+    skipped_steps += d.flags[1].item<int64_t>();
+    d.flags[1].zero_();
+  }
+}
+
+void emulate_device_steps_on_cpu(bool on) {
+  emulated.store(on);
+}
+
+bool device_steps_emulated() {
+  return emulated.load();
+}
+
+}  // namespace wavelet_adam_detail
+}  // namespace gwt
