@@ -19,6 +19,7 @@
 
 #include "../src/kernels/haar_block.h"
 #include "../src/kernels/wavelet_row.h"
+#include "bound_expect.h"
 #include "float_bound.h"
 #include "gwt/gwt.h"
 #include "gwt/kernels.h"

@@ -14,6 +14,7 @@
 #include "../src/kernels/multi_tensor.h"
 #include "../src/kernels/multi_tensor_emulate.h"
 #include "../src/optim/wavelet_adam_device.h"
+#include "bound_expect.h"
 #include "float_bound.h"
 #include "gwt/gwt.h"
 #include "test_util.h"
