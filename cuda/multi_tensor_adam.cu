@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "block_reduce.cuh"  // BlockLanes
 #include "kernels/dispatch.h"
 #include "kernels/multi_tensor.h"
 
@@ -53,30 +54,76 @@ __global__ void __launch_bounds__(k_threads) update_kernel(Launch l) {
   if (threadIdx.x == 0) update_bookkeeping<Acc>(l, blockIdx.x);
 }
 
+// General rows: one block per row, the row bodies in dynamic shared memory (Launch::shared_bytes).
+template <typename P, typename S, typename Acc>
+__global__ void __launch_bounds__(k_threads) general_norm_kernel(Launch l) {
+  extern __shared__ __align__(16) unsigned char row_scratch[];
+  __shared__ double s[k_threads];
+  s[threadIdx.x] = general_norm_share<P, S, Acc>(BlockLanes{}, l, blockIdx.x,
+                                                 reinterpret_cast<Acc*>(row_scratch));
+  block_tree_sum(s);
+  if (threadIdx.x == 0) {
+    l.partials[blockIdx.x] = s[0];
+    norm_bookkeeping(l, blockIdx.x);
+  }
+}
+
+template <typename P, typename S, typename Acc>
+__global__ void __launch_bounds__(k_threads) general_update_kernel(Launch l) {
+  extern __shared__ __align__(16) unsigned char row_scratch[];
+  __shared__ double s[k_threads];
+  // Counts below 2^53 add exactly in double.
+  s[threadIdx.x] = static_cast<double>(general_update_share<P, S, Acc>(
+      BlockLanes{}, l, blockIdx.x, reinterpret_cast<Acc*>(row_scratch)));
+  block_tree_sum(s);
+  if (threadIdx.x == 0) general_update_bookkeeping<Acc>(l, blockIdx.x, static_cast<int64_t>(s[0]));
+}
+
+// `kernel` over the launch's chunks with its dynamic shared memory; the opt-in above the default
+// 48 KiB is set each time (a property of the kernel, not of one launch).
+template <typename Kernel>
+void launch_rows(Kernel kernel, const Launch& l, cudaStream_t stream) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(l.shared_bytes)));
+  kernel<<<static_cast<unsigned>(l.num_chunks), k_threads, static_cast<size_t>(l.shared_bytes),
+           stream>>>(l);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename Kernel>
+void launch_chunks(Kernel kernel, unsigned blocks, const Launch& l, cudaStream_t stream) {
+  kernel<<<blocks, k_threads, 0, stream>>>(l);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 struct CudaKernels {
   cudaStream_t stream;
   void norm(const GroupKey& key, const Launch& l) const {
     with_kinds(key.param_kind, key.state_kind, key.math_f64, [&](auto types) {
-      using T = decltype(types);
-      norm_kernel<typename T::param_t, typename T::state_t, typename T::acc_t>
-          <<<static_cast<unsigned>(l.num_chunks), k_threads, 0, stream>>>(l);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      using P = typename decltype(types)::param_t;
+      using S = typename decltype(types)::state_t;
+      using Acc = typename decltype(types)::acc_t;
+      if (key.general)
+        launch_rows(general_norm_kernel<P, S, Acc>, l, stream);
+      else
+        launch_chunks(norm_kernel<P, S, Acc>, static_cast<unsigned>(l.num_chunks), l, stream);
     });
   }
   void finalize(const GroupKey& key, const Launch& l) const {
     with_kinds(key.param_kind, key.state_kind, key.math_f64, [&](auto types) {
-      using T = decltype(types);
-      finalize_kernel<typename T::acc_t>
-          <<<static_cast<unsigned>(l.num_tensors), k_threads, 0, stream>>>(l);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_chunks(finalize_kernel<typename decltype(types)::acc_t>,
+                    static_cast<unsigned>(l.num_tensors), l, stream);
     });
   }
   void update(const GroupKey& key, const Launch& l) const {
     with_kinds(key.param_kind, key.state_kind, key.math_f64, [&](auto types) {
-      using T = decltype(types);
-      update_kernel<typename T::param_t, typename T::state_t, typename T::acc_t>
-          <<<static_cast<unsigned>(l.num_chunks), k_threads, 0, stream>>>(l);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      using P = typename decltype(types)::param_t;
+      using S = typename decltype(types)::state_t;
+      using Acc = typename decltype(types)::acc_t;
+      if (key.general)
+        launch_rows(general_update_kernel<P, S, Acc>, l, stream);
+      else
+        launch_chunks(update_kernel<P, S, Acc>, static_cast<unsigned>(l.num_chunks), l, stream);
     });
   }
 };

@@ -7,8 +7,10 @@
 #include <torch/serialize.h>
 
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../src/kernels/multi_tensor.h"
@@ -32,6 +34,9 @@ struct Spec {
   at::ScalarType param = at::kDouble;
   bool bf16_state = false;
   std::string nonfinite = "skip_step";
+  std::string wavelet = "haar";  // any other: the general rows
+  std::string boundary = "zero";
+  double threshold = 0;
 };
 
 at::ScalarType math_of(at::ScalarType param) {
@@ -58,15 +63,21 @@ WaveletAdamOptions options_of(const Spec& s) {
       .level(s.level)
       .transform(s.transform)
       .nonfinite(s.nonfinite)
+      .wavelet(s.wavelet)
+      .boundary(s.boundary)
+      .threshold(s.threshold)
       .fused(false);
 }
 
 // One tensor of the emulated step, in memory of its own as a device would hold it: parameter,
 // gradient, moments, the limiter's saved norm (-1: none yet) and the counters.
 struct Emulated {
-  at::Tensor p, g, m, v, norm, counts;
+  at::Tensor p, g, m, v, norm, counts, kept;
   mt::TensorMeta meta;
   mt::GroupKey key;
+  bool general = false;
+  std::shared_ptr<gwt::Wavelet> wavelet;  // general: the filters args points to
+  gwt::kernels::WaveletAdamArgs args;     // general: what Planner::add_general takes
 };
 
 Emulated make_emulated(const at::Tensor& init, const Spec& s, bool wavelet) {
@@ -76,7 +87,25 @@ Emulated make_emulated(const at::Tensor& init, const Spec& s, bool wavelet) {
   e.g = at::zeros_like(e.p);
   mt::TensorMeta& t = e.meta;
   std::vector<int64_t> state_shape = init.sizes().vec();
-  if (wavelet) {
+  e.general = wavelet && s.wavelet != "haar";
+  if (e.general) {
+    e.wavelet = std::make_shared<gwt::Wavelet>(s.wavelet);
+    auto& a = e.args;
+    a.n = t.n = init.size(-1);
+    a.rows = t.rows = init.numel() / t.n;
+    a.level = s.level;
+    a.boundary = gwt::boundary_mode_from_string(s.boundary);
+    a.approx_len = t.approx_len = gwt::approx_len(a.n, *e.wavelet, s.level, a.boundary);
+    a.dec_lo = e.wavelet->dec_lo().data(), a.dec_hi = e.wavelet->dec_hi().data();
+    a.filter_length = e.wavelet->length();
+    a.coeff_len = gwt::kernels::wavelet_workspace_len(a.n, a.filter_length, a.level, a.boundary);
+    a.threshold = s.threshold;
+    std::tie(a.beta1, a.beta2) = o.betas();
+    a.eps = o.eps(), a.decay = o.lr() * o.weight_decay();
+    state_shape.back() = a.approx_len;
+    e.kept = at::zeros({a.rows}, at::kLong);
+    if (s.threshold > 0) t.kept_per_row = e.kept.data_ptr<int64_t>();
+  } else if (wavelet) {
     t.n = init.size(-1);
     t.rows = init.numel() / t.n;
     t.two_d = s.transform == "2d";
@@ -140,7 +169,10 @@ struct StepRun {
     mt::Planner planner(chunk_values);
     for (size_t i = 0; i < specs.size(); ++i) {
       emulated[i].g.copy_(grads[i]);
-      planner.add(emulated[i].key, emulated[i].meta);
+      if (emulated[i].general)
+        planner.add_general(emulated[i].key, emulated[i].meta, emulated[i].args);
+      else
+        planner.add(emulated[i].key, emulated[i].meta);
     }
     launches = planner.launches();
     mt::emulate_step(planner.groups(), &flags);
@@ -151,11 +183,17 @@ struct StepRun {
 // rows that are and are not whole blocks, 3-D, 2-D at levels 1 to 3 with partial blocks at the
 // edges, and dense parameters (1-D, and level 0).
 std::vector<Spec> mixed_specs(size_t count, const std::vector<at::ScalarType>& dtypes,
-                              bool with_dense) {
-  const std::vector<Spec> kinds = {
+                              bool with_dense, bool with_general = false) {
+  // General wavelets, every mode, levels 1 to 3 (a row per block on the GPU).
+  const std::vector<Spec> general = {
+      {{6, 45}, 2, "1d", at::kDouble, false, "skip_step", "db2"},
+      {{4, 50}, 3, "1d", at::kDouble, false, "skip_step", "sym3", "periodization"},
+      {{3, 2, 41}, 1, "1d", at::kDouble, false, "skip_step", "coif1", "symmetric"}};
+  std::vector<Spec> kinds = {
       {{16, 64}, 2},     {{5, 37}, 1},        {{3, 11, 33}, 3},       {{7, 130}, 4},
       {{8, 8}, 2, "2d"}, {{24, 40}, 3, "2d"}, {{2, 13, 21}, 1, "2d"}, {{6, 40}, 2},
       {{33}, 2},         {{9, 10}, 0}};
+  if (with_general) kinds.insert(kinds.end(), general.begin(), general.end());
   std::vector<Spec> out;
   for (size_t i = 0; out.size() < count; ++i) {
     Spec s = kinds[i % kinds.size()];
@@ -198,7 +236,7 @@ std::vector<std::vector<at::Tensor>> gradients_of(const std::vector<Spec>& specs
 TEST(MultiTensor, StepsOf1To500TensorsMatchTheReferenceInFloat64) {
   for (size_t count : {1, 7, 56, 500}) {
     SCOPED_TRACE(std::to_string(count) + " tensors");
-    std::vector<Spec> specs = mixed_specs(count, {at::kDouble}, true);
+    std::vector<Spec> specs = mixed_specs(count, {at::kDouble}, true, true);
     if (count >= 7) specs[3].shape = {300, 512};  // 300 chunks of 512 values: more than a block
     const auto inits = inits_of(specs, 40);
     StepRun run(specs, inits, 512, true);
@@ -231,7 +269,8 @@ TEST(MultiTensor, StepsOf1To500TensorsMatchTheReferenceInFloat64) {
 // tests/test_fused.cpp's CUDA check: 1e-4 of |p| in float32, 0.01 float16, 0.05 bfloat16, 0.1
 // with bfloat16 moments).
 TEST(MultiTensor, ReducedPrecisionStaysWithinTheRoundingBound) {
-  const std::vector<Spec> specs = mixed_specs(56, {at::kFloat, at::kBFloat16, at::kHalf}, false);
+  const std::vector<Spec> specs =
+      mixed_specs(56, {at::kFloat, at::kBFloat16, at::kHalf}, false, true);
   const auto inits = inits_of(specs, 42);
   StepRun run(specs, inits, 2048, true);
   std::vector<gwt_test::RoundingBound> bounds;
@@ -239,7 +278,13 @@ TEST(MultiTensor, ReducedPrecisionStaysWithinTheRoundingBound) {
     bounds.emplace_back(s.shape, options_of(s), s.param, s.bf16_state ? at::kBFloat16 : at::kFloat);
   for (const auto& grads : gradients_of(specs, 4, 43)) {
     run.step(grads);
-    EXPECT_EQ(run.launches, 3 * 6);  // (f32|bf16|f16 parameters) x (f32|bf16 moments)
+    // Three per group: (f32|bf16|f16 parameters) x (f32|bf16 moments), Haar and general apart.
+    std::set<std::tuple<int, int, bool>> groups;
+    for (const Emulated& e : run.emulated)
+      groups.insert(
+          {static_cast<int>(e.key.param_kind), static_cast<int>(e.key.state_kind), e.general});
+    EXPECT_EQ(groups.size(), 12u);
+    EXPECT_EQ(run.launches, 3 * static_cast<int64_t>(groups.size()));
     for (size_t i = 0; i < specs.size(); ++i) {
       const Spec& s = specs[i];
       bounds[i].step(grads[i], run.exact[i].detach());
@@ -257,7 +302,7 @@ TEST(MultiTensor, ReducedPrecisionStaysWithinTheRoundingBound) {
 // others of mixed types, or alone in its launch, it ends with the same bits.
 TEST(MultiTensor, ATensorsBitsDoNotDependOnTheTensorsBesideIt) {
   const std::vector<Spec> specs =
-      mixed_specs(56, {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, true);
+      mixed_specs(56, {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, true, true);
   const auto inits = inits_of(specs, 44);
   const auto grads = gradients_of(specs, 3, 45);
   StepRun together(specs, inits, 256, false);
@@ -330,6 +375,8 @@ TEST(MultiTensor, WaveletAdamOnTheDevicePathMatchesTheHostPath) {
     ~Emulation() { gwt::wavelet_adam_detail::emulate_device_steps_on_cpu(false); }
   };
   std::vector<Spec> specs = mixed_specs(7, {at::kDouble}, true);
+  // A general wavelet with a threshold: its kept-detail counts come back from the device too.
+  specs.push_back({{6, 45}, 2, "1d", at::kDouble, false, "skip_step", "db2", "zero", 0.4});
   const auto inits = inits_of(specs, 48);
   auto make = [&](std::vector<at::Tensor>& params) {
     std::vector<torch::optim::OptimizerParamGroup> groups;
@@ -355,6 +402,8 @@ TEST(MultiTensor, WaveletAdamOnTheDevicePathMatchesTheHostPath) {
       EXPECT_EQ(a_opt.skipped_steps(a[i]), host->skipped_steps(host_params[i])) << what << i;
     }
     EXPECT_EQ(a_opt.skipped_steps(), host->skipped_steps()) << what;
+    EXPECT_EQ(a_opt.kept_details(), host->kept_details()) << what;
+    EXPECT_GT(a_opt.kept_details().first, 0) << what;
   };
   for (size_t t = 0; t < 6; ++t) {
     for (size_t i = 0; i < specs.size(); ++i) {

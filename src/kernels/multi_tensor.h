@@ -42,7 +42,9 @@ namespace mt {
 constexpr int k_threads = 256;                 // threads per block of every multi-tensor kernel
 constexpr int64_t k_chunk_values = 32 * 1024;  // gradient values per chunk (128 per thread)
 
-enum class Kind : int32_t { haar = 0, dense = 1 };
+/// Haar blocks (one thread per coefficient), dense values (one thread per value), or rows of any
+/// other wavelet (one block per row, row::row_norm_sq / row_update in shared memory).
+enum class Kind : int32_t { haar = 0, dense = 1, general = 2 };
 
 /// Per-tensor counters in device memory: [0] steps taken (bias correction), [1] steps skipped
 /// (nonfinite "skip_param").
@@ -69,6 +71,8 @@ struct TensorMeta {
   double approx_scale = 1;  ///< 2^(-level/2), 2-D: 2^(-level)
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, lr = 0, weight_decay = 0, scale = 1, gamma = 0;
   int64_t first_chunk = 0, chunks = 0;  ///< this tensor's chunks in the launch's chunk list
+  int64_t plan = -1;                    ///< general: its row::RowPlan in the launch's plans
+  int64_t* kept_per_row = nullptr;      ///< general with a threshold: details kept, per row
 };
 
 /// A run of one tensor's work items [begin, end): Haar coefficients or dense values.
@@ -98,6 +102,8 @@ struct Launch {
   const TensorMeta* tensors = nullptr;
   const Chunk* chunks = nullptr;
   int64_t num_tensors = 0, num_chunks = 0;
+  unsigned char* plans = nullptr;   ///< general groups: row::RowPlan<Acc> per general tensor
+  int64_t shared_bytes = 0;         ///< general groups: dynamic shared memory per block
   double* partials = nullptr;       ///< [num_chunks]
   TensorResult* results = nullptr;  ///< [num_tensors]
   StepFlags* flags = nullptr;
@@ -221,9 +227,12 @@ GWT_ROW_FN void finalize_tensor(const Launch& l, int64_t i, double total) {
       l.flags->found_inf = 1;
   }
   const double step = bias_corrected(t, t.counts[k_steps] + 1);
-  r.step_size = t.kind == Kind::haar ? step * t.scale : step;
+  r.step_size = t.kind == Kind::dense ? step : step * t.scale;
   r.lim = 1, r.new_norm = -1;
-  if (t.kind == Kind::haar && t.gamma > 0) {
+  // The row bodies read the step size from the plan: this step's, written where the update reads.
+  if (t.kind == Kind::general)
+    reinterpret_cast<row::RowPlan<Acc>*>(l.plans)[t.plan].step_size = static_cast<Acc>(r.step_size);
+  if (t.kind != Kind::dense && t.gamma > 0) {
     const double norm = sqrt(static_cast<double>(norm_sq));
     const double saved = static_cast<double>(*static_cast<const Acc*>(t.norm));
     if (saved >= 0) {
@@ -300,7 +309,7 @@ GWT_ROW_FN void update_bookkeeping(const Launch& l, int64_t c) {
   if (c == t.first_chunk) {
     if (steps(l, chunk.tensor)) {
       t.counts[k_steps] += 1;
-      if (t.kind == Kind::haar && t.gamma > 0)
+      if (t.kind != Kind::dense && t.gamma > 0)
         *static_cast<Acc*>(t.norm) = static_cast<Acc>(l.results[chunk.tensor].new_norm);
     } else if (!l.flags->found_inf) {
       t.counts[k_skipped] += 1;
@@ -310,6 +319,62 @@ GWT_ROW_FN void update_bookkeeping(const Launch& l, int64_t c) {
     l.flags->skipped_steps += 1;
 }
 
+/// General rows: the block's shared memory as the row bodies use it (wavelet_row_scratch_bytes's
+/// order: the row's coefficients, two scratch rows, the denominators).
+template <typename Acc>
+struct RowScratch {
+  Acc *w, *buf0, *buf1, *den;
+  GWT_ROW_FN RowScratch(const row::RowPlan<Acc>& f, Acc* shared)
+      : w(shared),
+        buf0(shared + f.coeff_len),
+        buf1(shared + f.coeff_len + f.buffer_len),
+        den(shared + f.coeff_len + 2 * f.buffer_len) {}
+};
+
+/// General norm pass, every lane of the block for chunk c (one row): this lane's share of the
+/// row's sum of squares. Barriers inside: every lane calls it.
+template <typename P, typename S, typename Acc, typename Lanes>
+GWT_ROW_FN double general_norm_share(const Lanes& lanes, const Launch& l, int64_t c, Acc* shared) {
+  const Chunk chunk = l.chunks[c];
+  const TensorMeta& t = l.tensors[chunk.tensor];
+  if (chunk.begin == chunk.end) return 0;  // a tensor without rows: the same for the whole block
+  const row::RowPlan<Acc>& f = reinterpret_cast<const row::RowPlan<Acc>*>(l.plans)[t.plan];
+  const RowScratch<Acc> x(f, shared);
+  const int64_t r = chunk.begin;
+  return static_cast<double>(row::row_norm_sq<P, S, Acc>(
+      lanes, f, static_cast<const P*>(t.grad) + r * f.n,
+      static_cast<const S*>(t.exp_avg) + r * f.approx_len,
+      static_cast<const S*>(t.exp_avg_sq) + r * f.approx_len, x.w, x.buf0, x.buf1));
+}
+
+/// General update pass, every lane of the block for chunk c: the row's DWT and update (nothing
+/// when the tensor does not step). Returns this lane's count of details kept by a threshold.
+template <typename P, typename S, typename Acc, typename Lanes>
+GWT_ROW_FN int64_t general_update_share(const Lanes& lanes, const Launch& l, int64_t c,
+                                        Acc* shared) {
+  const Chunk chunk = l.chunks[c];
+  const TensorMeta& t = l.tensors[chunk.tensor];
+  if (chunk.begin == chunk.end || !steps(l, chunk.tensor)) return 0;  // uniform over the block
+  const row::RowPlan<Acc>& f = reinterpret_cast<const row::RowPlan<Acc>*>(l.plans)[t.plan];
+  const RowScratch<Acc> x(f, shared);
+  const int64_t r = chunk.begin;
+  row::row_dwt<P, Acc>(lanes, f, static_cast<const P*>(t.grad) + r * f.n, x.w, x.buf0, x.buf1);
+  return row::row_update<P, S, Acc>(
+      lanes, f, static_cast<Acc>(l.results[chunk.tensor].lim), static_cast<P*>(t.param) + r * f.n,
+      static_cast<S*>(t.exp_avg) + r * f.approx_len,
+      static_cast<S*>(t.exp_avg_sq) + r * f.approx_len, x.w, x.buf0, x.buf1, x.den);
+}
+
+/// General update, thread 0 of the block, with the block's count of kept details: the row's
+/// count when the tensor steps (a skipped step keeps the last one), then update_bookkeeping.
+template <typename Acc>
+GWT_ROW_FN void general_update_bookkeeping(const Launch& l, int64_t c, int64_t kept) {
+  const Chunk chunk = l.chunks[c];
+  const TensorMeta& t = l.tensors[chunk.tensor];
+  if (t.kept_per_row != nullptr && chunk.begin < chunk.end && steps(l, chunk.tensor))
+    t.kept_per_row[chunk.begin] = kept;
+  update_bookkeeping<Acc>(l, c);
+}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -321,8 +386,10 @@ struct GroupKey {
   ScalarKind param_kind = ScalarKind::f32;
   ScalarKind state_kind = ScalarKind::f32;
   bool math_f64 = false;
+  bool general = false;  ///< rows of a general wavelet: kernels of their own, with shared memory
   bool operator==(const GroupKey& o) const {
-    return param_kind == o.param_kind && state_kind == o.state_kind && math_f64 == o.math_f64;
+    return param_kind == o.param_kind && state_kind == o.state_kind && math_f64 == o.math_f64 &&
+           general == o.general;
   }
 };
 
@@ -331,14 +398,18 @@ struct Group {
   GroupKey key;
   std::vector<TensorMeta> tensors;
   std::vector<Chunk> chunks;
+  std::vector<unsigned char> plans;  ///< general: the tensors' row::RowPlan<Acc>, back to back
+  int64_t shared_bytes = 0;          ///< general: the largest row's scratch
 };
 
 /// Work items of a tensor (Haar coefficients or dense values) and how many a chunk takes: chunks
 /// of about k_chunk_values gradient values.
 inline int64_t work_items(const TensorMeta& t) {
+  if (t.kind == Kind::general) return t.rows;
   return t.kind == Kind::dense ? t.n : t.state_rows * t.approx_len;
 }
 inline int64_t items_per_chunk(const TensorMeta& t, int64_t chunk_values) {
+  if (t.kind == Kind::general) return 1;  // a row per block
   if (t.kind == Kind::dense) return chunk_values;
   const int64_t values = t.block * (t.two_d ? t.block : 1);
   return chunk_values / values > 0 ? chunk_values / values : 1;
@@ -362,13 +433,7 @@ class Planner {
   /// `chunk_values`: gradient values per chunk (the tests take small chunks to have many).
   explicit Planner(int64_t chunk_values = k_chunk_values) : chunk_values_(chunk_values) {}
   void add(const GroupKey& key, TensorMeta t) {
-    Group* group = nullptr;
-    for (Group& g : groups_)
-      if (g.key == key) group = &g;
-    if (group == nullptr) {
-      groups_.push_back(Group{key, {}, {}});
-      group = &groups_.back();
-    }
+    Group* group = group_of(key);
     const int64_t index = static_cast<int64_t>(group->tensors.size());
     t.first_chunk = static_cast<int64_t>(group->chunks.size());
     const int64_t items = work_items(t), per = items_per_chunk(t, chunk_values_);
@@ -383,7 +448,36 @@ class Planner {
   /// Kernel launches the step makes: three per group, whatever the number of tensors.
   int64_t launches() const { return 3 * static_cast<int64_t>(groups_.size()); }
 
+  /// A tensor of a general wavelet, one row per chunk, with its row plan (`a`: the tensor's
+  /// arguments as the per-tensor CUDA kernel takes them; its step size is the finalize's).
+  void add_general(GroupKey key, TensorMeta t, const WaveletAdamArgs& a) {
+    key.general = true;
+    t.kind = Kind::general;
+    Group* group = group_of(key);
+    auto append = [&](auto plan) {
+      using Plan = decltype(plan);
+      using Acc = decltype(plan.eps);
+      t.plan = static_cast<int64_t>(group->plans.size() / sizeof(Plan));
+      const auto* bytes = reinterpret_cast<const unsigned char*>(&plan);
+      group->plans.insert(group->plans.end(), bytes, bytes + sizeof(Plan));
+      const int64_t scratch = (plan.coeff_len + 2 * plan.buffer_len + plan.approx_len) *
+                              static_cast<int64_t>(sizeof(Acc));
+      if (scratch > group->shared_bytes) group->shared_bytes = scratch;
+    };
+    if (key.math_f64)
+      append(row::make_row_plan<double>(a));
+    else
+      append(row::make_row_plan<float>(a));
+    add(key, t);
+  }
+
  private:
+  Group* group_of(const GroupKey& key) {
+    for (Group& g : groups_)
+      if (g.key == key) return &g;
+    groups_.push_back(Group{key, {}, {}, {}, 0});
+    return &groups_.back();
+  }
   int64_t chunk_values_;
   std::vector<Group> groups_;
 };
@@ -399,6 +493,7 @@ class StepLayout {
       o.chunks = take(g.chunks.size() * sizeof(Chunk));
       o.partials = take(g.chunks.size() * sizeof(double));
       o.results = take(g.tensors.size() * sizeof(TensorResult));
+      o.plans = take(g.plans.size());
       offsets_.push_back(o);
     }
   }
@@ -412,6 +507,8 @@ class StepLayout {
                   groups[g].tensors.size() * sizeof(TensorMeta));
       std::memcpy(base + offsets_[g].chunks, groups[g].chunks.data(),
                   groups[g].chunks.size() * sizeof(Chunk));
+      if (!groups[g].plans.empty())
+        std::memcpy(base + offsets_[g].plans, groups[g].plans.data(), groups[g].plans.size());
     }
   }
   /// Group g's launch arguments over the buffer at `base` (where write() left the metadata).
@@ -424,6 +521,8 @@ class StepLayout {
     l.num_chunks = static_cast<int64_t>(groups[g].chunks.size());
     l.partials = reinterpret_cast<double*>(base + offsets_[g].partials);
     l.results = reinterpret_cast<TensorResult*>(base + offsets_[g].results);
+    l.plans = base + offsets_[g].plans;
+    l.shared_bytes = groups[g].shared_bytes;
     l.flags = flags;
     l.first_of_step = g == 0;
     l.last_of_step = g + 1 == groups.size();
@@ -432,7 +531,7 @@ class StepLayout {
 
  private:
   struct Offsets {
-    size_t tensors, chunks, partials, results;
+    size_t tensors, chunks, partials, results, plans;
   };
   size_t take(size_t bytes) {
     const size_t at = (end_ + 15) / 16 * 16;

@@ -592,10 +592,11 @@ bool device_eligible(const Work& w, const c10::Device& device) {
   const at::Tensor& p = w.param;
   const at::Tensor& g = p.grad();
   const bool haar = w.path == Path::haar, dense = !w.plan.wavelet && w.options->fused();
+  const bool general = w.path == Path::general;
   const bool runs = device.is_cpu() ? wavelet_adam_detail::device_steps_emulated()
                                     : device.is_cuda() && kernels::built_with_cuda() &&
                                           kernels::cuda_kernels_run_on(device.index());
-  return p.device() == device && (haar || dense) && runs && p.is_contiguous() &&
+  return p.device() == device && (haar || dense || general) && runs && p.is_contiguous() &&
          g.scalar_type() == p.scalar_type() && g.is_contiguous() && g.layout() == at::kStrided;
 }
 
@@ -750,9 +751,20 @@ at::Tensor WaveletAdam::step(LossClosure closure) {
   if (std::all_of(work.begin(), work.end(),
                   [&](const Work& w) { return device_eligible(w, first_device); })) {
     std::vector<wavelet_adam_detail::DeviceItem> items;
+    using Rule = wavelet_adam_detail::DeviceItem::Rule;
     for (auto& w : work) {
       if (w.fresh_state) state_[w.param.unsafeGetTensorImpl()] = std::move(w.fresh_state);
-      items.push_back({w.param, w.options, w.state, w.plan.wavelet, w.plan.two_d});
+      wavelet_adam_detail::DeviceItem item;
+      item.param = w.param, item.options = w.options, item.state = w.state;
+      item.two_d = w.plan.two_d;
+      item.rule = w.path == Path::haar ? Rule::haar : w.path == Path::general ? Rule::general
+                                                                              : Rule::dense;
+      if (item.rule == Rule::general) {
+        w.grad = w.param.grad();  // of the parameter's dtype and contiguous (device_eligible)
+        w.wavelet = &wavelet_named(w.options->wavelet());
+        item.general = general_args(w, 0.0);
+      }
+      items.push_back(std::move(item));
     }
     if (!device_steps_) device_steps_ = std::make_shared<wavelet_adam_detail::DeviceSteps>();
     device_steps_->step(items);
@@ -833,6 +845,7 @@ int64_t WaveletAdam::state_bytes() const {
 }
 
 std::pair<int64_t, int64_t> WaveletAdam::kept_details() const {
+  sync_device_steps();
   int64_t kept = 0, total = 0;
   for (const auto& item : state_) {
     const auto& s = static_cast<const WaveletAdamParamState&>(*item.second);

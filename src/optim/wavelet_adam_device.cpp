@@ -22,6 +22,12 @@ namespace mt = kernels::mt;
 struct DeviceSteps::Impl {
   // Per parameter (by TensorImpl): its counts, int64 [2] (mt::Count) on its device.
   std::unordered_map<const void*, at::Tensor> counts;
+  // General wavelets with a threshold: details kept at the last step, per row, and their number.
+  struct Kept {
+    at::Tensor per_row;
+    int64_t total = 0;
+  };
+  std::unordered_map<const void*, Kept> kept;
   // mt::StepFlags (int32, int32, int64) on the device; zeroed when made.
   at::Tensor flags;
   // The last metadata uploaded, and where: a step with the same bytes uploads nothing.
@@ -56,7 +62,11 @@ mt::TensorMeta meta_of(const DeviceItem& item, const at::Tensor& counts) {
   const WaveletAdamOptions& o = *item.options;
   const at::Tensor& p = item.param;
   mt::TensorMeta t;
-  if (item.wavelet) {
+  if (item.rule == DeviceItem::Rule::general) {
+    t.n = item.general.n;
+    t.rows = item.general.rows;
+    t.approx_len = item.general.approx_len;
+  } else if (item.rule == DeviceItem::Rule::haar) {
     t.n = p.size(-1);
     t.rows = p.numel() / t.n;
     t.two_d = item.two_d;
@@ -75,7 +85,7 @@ mt::TensorMeta meta_of(const DeviceItem& item, const at::Tensor& counts) {
   t.counts = counts.data_ptr<int64_t>();
   std::tie(t.beta1, t.beta2) = o.betas();
   t.eps = o.eps(), t.lr = o.lr(), t.weight_decay = o.weight_decay(), t.scale = o.scale();
-  t.gamma = item.wavelet ? o.norm_growth_limit() : 0.0;
+  t.gamma = item.rule == DeviceItem::Rule::dense ? 0.0 : o.norm_growth_limit();
   t.correct_bias = o.correct_bias();
   t.skip_param = o.nonfinite() == "skip_param";
   return t;
@@ -108,7 +118,7 @@ void DeviceSteps::step(const std::vector<DeviceItem>& items) {
       it = d.counts.emplace(item.param.unsafeGetTensorImpl(), host.to(device)).first;
     }
     // The limiter's saved norm lives on the device in the math type; -1: none yet.
-    if (item.wavelet && item.options->norm_growth_limit() > 0 &&
+    if (item.rule != DeviceItem::Rule::dense && item.options->norm_growth_limit() > 0 &&
         !(item.state->norm().defined() && item.state->norm().device() == device)) {
       first_use("the limiter's norm on the device");
       const auto math = item.param.options().dtype(optim_detail::compute_dtype(item.param));
@@ -119,7 +129,27 @@ void DeviceSteps::step(const std::vector<DeviceItem>& items) {
     const mt::GroupKey key{optim_detail::kind_of(item.param.scalar_type()),
                            optim_detail::kind_of(state),
                            optim_detail::compute_dtype(item.param) == at::kDouble};
-    planner.add(key, meta_of(item, it->second));
+    mt::TensorMeta meta = meta_of(item, it->second);
+    if (item.rule != DeviceItem::Rule::general) {
+      planner.add(key, meta);
+      continue;
+    }
+    if (item.general.threshold > 0) {
+      auto kept = d.kept.find(item.param.unsafeGetTensorImpl());
+      if (kept == d.kept.end()) {
+        first_use("the parameter's kept-detail counts on the device");
+        const kernels::WaveletAdamArgs& a = item.general;
+        kept = d.kept
+                   .emplace(
+                       item.param.unsafeGetTensorImpl(),
+                       Impl::Kept{
+                           at::zeros({a.rows}, at::TensorOptions().dtype(at::kLong).device(device)),
+                           a.rows * (a.coeff_len - a.approx_len)})
+                   .first;
+      }
+      meta.kept_per_row = kept->second.per_row.data_ptr<int64_t>();
+    }
+    planner.add_general(key, meta, item.general);
   }
   const mt::StepLayout layout(planner.groups());
   std::vector<unsigned char> bytes(layout.bytes());
@@ -158,6 +188,10 @@ void DeviceSteps::sync(const std::function<WaveletAdamParamState*(const void*)>&
     state->step(host[mt::k_steps].item<int64_t>());
     state->skipped(host[mt::k_skipped].item<int64_t>());
     if (state->norm().defined() && state->norm().item<double>() < 0) state->norm(at::Tensor());
+    auto kept = d.kept.find(key);
+    if (kept != d.kept.end() && state->step() > 0)
+      state->kept_details(kept->second.per_row.sum().item<int64_t>())
+          .total_details(kept->second.total);
   }
   if (d.flags.defined()) {
     // StepFlags::skipped_steps is the second int64.

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "gwt/kernels.h"
 #include "gwt/optim/wavelet_adam.h"
 
 namespace gwt {
@@ -26,11 +27,14 @@ namespace wavelet_adam_detail {
 /// A parameter of a multi-tensor step, checked by the optimizer: contiguous parameter, gradient of
 /// its dtype and moments, all on one CUDA device.
 struct DeviceItem {
+  enum class Rule { haar, dense, general };
   at::Tensor param;
   const WaveletAdamOptions* options = nullptr;
   WaveletAdamParamState* state = nullptr;
-  bool wavelet = false;  ///< Haar (1-D or 2-D); otherwise the dense rule
-  bool two_d = false;
+  Rule rule = Rule::dense;
+  bool two_d = false;  ///< Haar: transform "2d"
+  kernels::WaveletAdamArgs
+      general;  ///< general: the per-tensor kernel's arguments (filters, sizes)
 };
 
 class DeviceSteps {
