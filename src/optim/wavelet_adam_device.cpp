@@ -109,14 +109,24 @@ void DeviceSteps::step(const std::vector<DeviceItem>& items) {
     first_use("the optimizer's device flags");
     d.flags = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
   }
+  // The counts of parameters new to the device, in one copy (the Python package makes a fresh
+  // optimizer, and so this, at every step).
+  std::vector<int64_t> fresh;
+  for (const DeviceItem& item : items)
+    if (d.counts.count(item.param.unsafeGetTensorImpl()) == 0)
+      fresh.insert(fresh.end(), {item.state->step(), item.state->skipped()});
+  if (!fresh.empty()) {
+    first_use("the parameters' step counts on the device");
+    const int64_t k = static_cast<int64_t>(fresh.size()) / 2;
+    const at::Tensor all = at::tensor(fresh, at::kLong).view({k, 2}).to(device);
+    int64_t next = 0;
+    for (const DeviceItem& item : items)
+      if (d.counts.count(item.param.unsafeGetTensorImpl()) == 0)
+        d.counts.emplace(item.param.unsafeGetTensorImpl(), all[next++]);
+  }
   mt::Planner planner;
   for (const DeviceItem& item : items) {
-    auto it = d.counts.find(item.param.unsafeGetTensorImpl());
-    if (it == d.counts.end()) {
-      first_use("the parameter's step counts on the device");
-      const at::Tensor host = at::tensor({item.state->step(), item.state->skipped()}, at::kLong);
-      it = d.counts.emplace(item.param.unsafeGetTensorImpl(), host.to(device)).first;
-    }
+    const auto it = d.counts.find(item.param.unsafeGetTensorImpl());
     // The limiter's saved norm lives on the device in the math type; -1: none yet.
     if (item.rule != DeviceItem::Rule::dense && item.options->norm_growth_limit() > 0 &&
         !(item.state->norm().defined() && item.state->norm().device() == device)) {
@@ -181,17 +191,38 @@ void DeviceSteps::step(const std::vector<DeviceItem>& items) {
 void DeviceSteps::sync(const std::function<WaveletAdamParamState*(const void*)>& state_of,
                        int64_t& skipped_steps) {
   Impl& d = *impl_;
-  for (const auto& [key, counts] : d.counts) {
+  // Everything the host needs gathered on the device, then one copy: counts, norms (as double),
+  // kept details, and the optimizer's skipped steps.
+  std::vector<WaveletAdamParamState*> states;
+  std::vector<at::Tensor> counts, values;
+  std::vector<int64_t> kept_total;
+  for (const auto& [key, c] : d.counts) {
     WaveletAdamParamState* state = state_of(key);
     if (state == nullptr) continue;
-    const at::Tensor host = counts.cpu();
-    state->step(host[mt::k_steps].item<int64_t>());
-    state->skipped(host[mt::k_skipped].item<int64_t>());
-    if (state->norm().defined() && state->norm().item<double>() < 0) state->norm(at::Tensor());
+    states.push_back(state);
+    counts.push_back(c);
+    const at::Tensor& norm = state->norm();
+    values.push_back(norm.defined() ? norm.to(c.device(), at::kDouble).reshape({})
+                                    : at::zeros({}, c.options().dtype(at::kDouble)));
     auto kept = d.kept.find(key);
-    if (kept != d.kept.end() && state->step() > 0)
-      state->kept_details(kept->second.per_row.sum().item<int64_t>())
-          .total_details(kept->second.total);
+    const bool has_kept = kept != d.kept.end();
+    values.push_back(has_kept ? kept->second.per_row.sum().to(at::kDouble)
+                              : at::zeros({}, c.options().dtype(at::kDouble)));
+    kept_total.push_back(has_kept ? kept->second.total : -1);
+  }
+  if (!states.empty()) {
+    const at::Tensor host_counts = at::stack(counts).cpu();
+    const at::Tensor host_values = at::stack(values).cpu();
+    const int64_t* count = host_counts.const_data_ptr<int64_t>();
+    const double* value = host_values.const_data_ptr<double>();
+    for (size_t i = 0; i < states.size(); ++i) {
+      WaveletAdamParamState& state = *states[i];
+      state.step(count[2 * i + mt::k_steps]);
+      state.skipped(count[2 * i + mt::k_skipped]);
+      if (state.norm().defined() && value[2 * i] < 0) state.norm(at::Tensor());  // none yet
+      if (kept_total[i] >= 0 && state.step() > 0)
+        state.kept_details(static_cast<int64_t>(value[2 * i + 1])).total_details(kept_total[i]);
+    }
   }
   if (d.flags.defined()) {
     // StepFlags::skipped_steps is the second int64.
