@@ -90,7 +90,7 @@ bool check_case(const std::string& wavelet, at::ScalarType dtype, int64_t level,
   // (tests/float_bound.h), and the bound is checked to be small. Reduced precision: both within
   // the bound of the float64 run. float64: within twice the bound (u = 2^-53) of each other.
   // Comparing the two float32 errors with each other, as this check did before, was a coin toss
-  // on ill-conditioned data: it failed on an Intel Xeon (haar2d level 3) and passed on AMD; so was
+  // on ill-conditioned data: it failed on one CPU model (haar2d level 3) and passed on another; so was
   // float64 at a flat 1e-10 on random signs, where a block sum that nearly cancels (the step
   // divides by it) leaves the difference to how each side rounds that sum.
   const bool reduced = dtype != at::kDouble;

@@ -5,7 +5,7 @@
 // Why: comparing a float32 (or bf16/fp16) run with another float32 run by "at most twice its error"
 // compares two chance outcomes: where a block's gradients nearly cancel, either implementation can
 // be luckier, and which one is depends on the BLAS and instruction set (issue 12: a suite green on
-// AMD failed on an Intel Xeon with AVX-512). Instead, each low-precision run is held to a bound on
+// one CPU model failed on another with AVX-512). Instead, each low-precision run is held to a bound on
 // its distance from the float64 run, computed here in float64 from the same inputs, by the usual
 // first-order (Wilkinson-style) rounding analysis: every computed sum of k terms is within
 // k * u * (sum of |terms|) of the exact one, every product or quotient within u relative. The

@@ -207,8 +207,8 @@ inline void update(const StepConstants& c, const G* g, P* p, S* m, S* v, int64_t
   // In chunks of k_chunk coefficients: first their moments and shifts, then their factors (the
   // square roots and divisions in a loop of their own), then their elements. Done coefficient
   // group by coefficient group, each group's elements waited on a chain of about 20 dependent
-  // operations (block sums, moments, square root, division); in L1 the pass took 0.42 ns per
-  // value against 0.32 so (AMD EPYC, one thread, [64, 512], L=2; the loop of its own gave 3-5%).
+  // operations (block sums, moments, square root, division), and the pass was slower in L1
+  // (docs/notes/kernel_history.md).
   constexpr int64_t k_chunk = 64;
   alignas(32) float factor[k_chunk], shift[k_chunk];
   for (int64_t j0 = 0; j0 < count; j0 += k_chunk) {

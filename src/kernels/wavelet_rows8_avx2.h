@@ -150,8 +150,8 @@ class Prefetcher {
   // Spreads the lines over about `calls` calls of next() (a line per call if there are fewer
   // calls than lines, the default). Requested one per call from the first loop on, a group's lines
   // were all in flight during its first analysis level, whose few operations per line then waited
-  // on full miss buffers, and no line was asked for during the rest of the group: on the EPYC the
-  // llama60m db2 step took 25.8-25.9 ms that way, 21.7 ms paced (docs/general_kernel.md).
+  // on full miss buffers, and no line was asked for during the rest of the group: the step was
+  // slower that way (docs/notes/general_kernel.md).
   void pace(int64_t calls) {
     int64_t lines = 0;
     for (int i = 0; i < count_; ++i) lines += regions_[i].rows * ((regions_[i].row_bytes + 63) / 64);
@@ -229,8 +229,8 @@ class Rows8 {
   // Update pass of rows [r0, r0 + 8): moments stored, coefficients normalised, IDWT, p updated.
   void update(int64_t r0, int64_t next, float lim, Scratch& s) const {
     // This group's moments (read first) and parameters, then the next group's gradient, spread
-    // over the analysis, the moment loop and the synthesis. Without the moments in the list, on
-    // the EPYC the llama60m step took 26.4 ms against 24.3-24.6 (docs/general_kernel.md).
+    // over the analysis, the moment loop and the synthesis. Without the moments in the list the
+    // step was slower (docs/notes/general_kernel.md).
     Prefetcher ahead;
     moments_of(r0, ahead);
     rows_of(static_cast<const P*>(a_.param), r0, ahead);

@@ -156,9 +156,9 @@ std::map<std::string, int64_t> load_checkpoint(torch::optim::Optimizer& optimize
   }
 
   // A parameter of another dtype than when saved means the parameters were reordered, unless the
-  // whole model was converted to one dtype (Module::to) between save and load, as the README
+  // whole model was converted to one dtype (Module::to) between save and load, as docs/options.md
   // suggests for moving to another dtype. Parameters of equal shape and dtype that swapped places
-  // cannot be told apart (README, "Errors change nothing").
+  // cannot be told apart (docs/options.md, "Errors change nothing").
   if (dtypes_here.size() > 1) {
     for (const auto& d : dtypes)
       TORCH_CHECK(d.saved == c10::toString(d.here), who, "::load: parameter ", d.position,

@@ -129,8 +129,8 @@ inline void check_grad(const char* who, const at::Tensor& param, const at::Tenso
 
 /// lr, times sqrt(1 - b2^t) / (1 - b1^t) when correct_bias (docs/algorithm.md#the-update, folded
 /// bias correction). The two powers of the last betas and step asked on this thread are kept: a
-/// step asks the same ones for every parameter (two std::pow of about 50 ns each, twice per
-/// parameter). The result is computed in the same order either way.
+/// step asks the same ones for every parameter (two std::pow per parameter otherwise). The result
+/// is computed in the same order either way.
 inline double adam_step_size(double lr, std::tuple<double, double> betas, bool correct_bias,
                              int64_t step) {
   if (!correct_bias) return lr;

@@ -161,14 +161,13 @@ void apply_weight_decay(at::Tensor& param, const WaveletAdamOptions& o) {
 
 // Room for HaarAdamArgs::carry, for "skip_param" tensors: the Haar CPU norm pass leaves each
 // coefficient's approximation and denominator (8 bytes per coefficient) for the update pass, which
-// then neither sums the gradient's blocks nor takes the square roots again (same bits; in L1 the
-// two passes took 0.41 instead of 0.49 ns per value at level 2, AMD EPYC). A "skip_param"
+// then neither sums the gradient's blocks nor takes the square roots again (same bits, faster in
+// L1: docs/notes/kernel_history.md). A "skip_param"
 // tensor's two passes run back to back, so its carry is still in the caches for the update: each
 // such tensor whose carry fits 4 MB gets it, in one room they share, kept between steps (a
 // steady-state step allocates nothing). Not for "skip_step", whose norm passes all run before any
 // update: there it did not pay in the runs measured (the main job's model and 500x(64x64+64),
-// everything in the caches: 0.92x-0.94x of at::_fused_adam_ with it at level 2, 0.90x-0.92x
-// without).
+// everything in the caches).
 void assign_carry(std::vector<Work>& work, std::vector<float>& room) {
   constexpr int64_t k_budget = int64_t{1} << 20;  // floats
   int64_t need = 0;
@@ -453,8 +452,8 @@ void fused_norm_pass(Work& work) {
 }
 
 // The limiter's saved norm of a CPU parameter, read and written through its data: no dispatch and
-// no allocation per parameter and step (with the norm pass's result kept as a double, that took
-// the per-tensor host time of a step over 1536 [4, 64] tensors from about 2.8 to 0.9 us).
+// no allocation per parameter and step (with the norm pass's result kept as a double, a step over
+// many small tensors spends a third of the host time it did through 0-dim tensors).
 double saved_norm(const at::Tensor& norm) {
   if (norm.is_cpu() && norm.numel() == 1) {
     if (norm.scalar_type() == at::kDouble) return *norm.const_data_ptr<double>();
