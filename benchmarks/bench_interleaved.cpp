@@ -11,7 +11,7 @@
 // bytes with next to no arithmetic (see FloorBuffers).
 //
 // --phases 1 (not the default) adds, on workloads 0, 1 and 7, each pass of the fused Haar step at
-// L=2 (1-D and 2-D) alone, called through gwt/kernels.h on its own copy of the tensors: the norm
+// L=2 (1-D and 2-D) alone, called through src/kernels/kernels.h on its own copy of the tensors: the norm
 // pass next to its read-only floor, the update pass next to its one-pass floor.
 //
 // Workloads as in gwt_bench_step (benchmarks/workloads.h): 0 llama60m, 1 4096x4096,
@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "gwt/gwt.h"
-#include "gwt/kernels.h"
+#include "../src/kernels/kernels.h"
 #include "memory_floors.h"
 #include "workloads.h"
 

@@ -38,7 +38,7 @@
 #include "../src/optim/wavelet_adam_device.h"
 #include "../tests/float_bound.h"
 #include "gwt/gwt.h"
-#include "gwt/kernels.h"
+#include "../src/kernels/kernels.h"
 #include "workloads.h"
 
 #ifdef GWT_GPU_CHECK_CUDA

@@ -1,4 +1,4 @@
-// CUDA body of the fused Haar WaveletAdam passes (see include/gwt/kernels.h for the rule).
+// CUDA body of the fused Haar WaveletAdam passes (see src/kernels/kernels.h for the rule).
 //
 // One thread per approximation coefficient (one Haar block of 2^level elements); the per-block
 // body is src/kernels/haar_block.h, which the tests also run on the host. Blocks of four fp32
@@ -23,7 +23,7 @@
 #include "../src/kernels/dispatch.h"
 #include "../src/kernels/haar_block.h"
 #include "block_reduce.cuh"
-#include "gwt/kernels.h"
+#include "kernels/kernels.h"
 
 namespace gwt {
 namespace kernels {

@@ -1,5 +1,5 @@
 // CUDA body of the general fused WaveletAdam passes: any orthogonal wavelet, zero / periodization /
-// symmetric mode (see include/gwt/kernels.h for the seam).
+// symmetric mode (see src/kernels/kernels.h for the seam).
 //
 // One thread block per row (grid-stride over rows): the threads of a block share the row's DWT
 // and IDWT level by level. Everything a row needs lives in shared memory: its coefficients of
@@ -23,7 +23,7 @@
 #include "../src/kernels/dispatch.h"
 #include "../src/kernels/wavelet_row.h"
 #include "block_reduce.cuh"
-#include "gwt/kernels.h"
+#include "kernels/kernels.h"
 
 namespace gwt {
 namespace kernels {

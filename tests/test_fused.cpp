@@ -22,7 +22,7 @@
 #include "bound_expect.h"
 #include "float_bound.h"
 #include "gwt/gwt.h"
-#include "gwt/kernels.h"
+#include "../src/kernels/kernels.h"
 #include "test_util.h"
 
 #ifdef GWT_TEST_BF16_AVX2_PROBE

@@ -31,7 +31,7 @@
 #include "../src/kernels/haar_block.h"
 #include "../src/kernels/wavelet_row.h"
 #include "gwt/gwt.h"
-#include "gwt/kernels.h"
+#include "../src/kernels/kernels.h"
 #include "test_util.h"
 
 namespace {

@@ -4,6 +4,7 @@
 /// Umbrella header of gwt: wavelet-compressed Adam for LibTorch.
 
 #include "gwt/compression.h"
+#include "gwt/cuda.h"
 #include "gwt/nn/delta_linear.h"
 #include "gwt/nn/low_rank_linear.h"
 #include "gwt/nn/rank_schedule.h"

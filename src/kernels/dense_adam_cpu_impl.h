@@ -1,4 +1,4 @@
-// Body of the dense Adam loop on the CPU (include/gwt/kernels.h, DenseAdamArgs, for the rule).
+// Body of the dense Adam loop on the CPU (src/kernels/kernels.h, DenseAdamArgs, for the rule).
 //
 // Included after haar_adam_cpu_impl.h by haar_adam_cpu.cpp (baseline ISA) and
 // haar_adam_cpu_avx2.cpp (AVX2 and FMA, avx2_target.h), each with its own GWT_KERNEL_NS. The AVX2
@@ -13,7 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "gwt/kernels.h"
+#include "kernels.h"
 
 #if defined(GWT_AVX2_BODY)
 #include <immintrin.h>

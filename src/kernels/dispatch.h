@@ -19,7 +19,7 @@
 #include <string>
 #include <type_traits>
 
-#include "gwt/kernels.h"
+#include "kernels.h"
 
 namespace gwt {
 namespace kernels {

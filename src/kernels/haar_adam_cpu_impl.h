@@ -1,4 +1,4 @@
-// Body of the fused Haar WaveletAdam passes on the CPU (see include/gwt/kernels.h for the rule).
+// Body of the fused Haar WaveletAdam passes on the CPU (see src/kernels/kernels.h for the rule).
 //
 // Included by haar_adam_cpu.cpp (baseline ISA) and haar_adam_cpu_avx2.cpp (AVX2 and FMA), each
 // with its own GWT_KERNEL_NS so the two instantiations never share a symbol; the entry points pick
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "dispatch.h"
-#include "gwt/kernels.h"
+#include "kernels.h"
 #include "haar_simd_avx2.h"
 
 #ifndef GWT_KERNEL_NS

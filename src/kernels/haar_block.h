@@ -4,12 +4,12 @@
 // transform; one approximation coefficient),
 // written once for the CUDA body (cuda/haar_adam.cu: one thread per block) and for the host, where
 // the tests run it block after block against the reference (tests/test_fused.cpp, KernelRows).
-// See include/gwt/kernels.h for the rule.
+// See src/kernels/kernels.h for the rule.
 
 #include <cmath>
 #include <cstdint>
 
-#include "gwt/kernels.h"
+#include "kernels.h"
 #include "wavelet_row.h"  // GWT_ROW_FN, row::to_acc
 
 namespace gwt {

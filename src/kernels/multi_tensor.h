@@ -25,14 +25,14 @@
 // Everything below the planner is __host__ __device__ code: cuda/multi_tensor_adam.cu runs it on
 // the GPU, and emulate_step() runs the same functions on the host over the same grid (every block,
 // every thread, phases split where the kernels have a barrier), which the tests compare with the
-// CPU reference. The rule is docs/algorithm.md's; include/gwt/kernels.h describes the Haar block.
+// CPU reference. The rule is docs/algorithm.md's; src/kernels/kernels.h describes the Haar block.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "gwt/kernels.h"
+#include "kernels.h"
 #include "wavelet_row.h"  // GWT_ROW_FN, row::to_acc
 
 namespace gwt {

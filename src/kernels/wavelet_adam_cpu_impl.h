@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "dispatch.h"
-#include "gwt/kernels.h"
+#include "kernels.h"
 #include "taps.h"
 #include "wavelet_row.h"
 

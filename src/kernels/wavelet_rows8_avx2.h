@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "gwt/kernels.h"
+#include "kernels.h"
 #include "gwt/wavelet.h"
 #include "taps.h"
 #include "values8_avx2.h"

@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "gwt/kernels.h"
+#include "../kernels/kernels.h"
 #include "gwt/optim/wavelet_adam.h"
 
 namespace gwt {

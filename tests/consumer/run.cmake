@@ -10,6 +10,16 @@ if(MODE STREQUAL "package")
     message(FATAL_ERROR "cmake --install failed: ${rc}")
   endif()
   set(prefix_path "${WORK_DIR}/prefix")
+  # The public headers are installed; the kernels' internal interface (src/kernels/kernels.h) is not.
+  foreach(header gwt.h cuda.h optim/wavelet_adam.h)
+    if(NOT EXISTS "${prefix_path}/include/gwt/${header}")
+      message(FATAL_ERROR "cmake --install did not install gwt/${header}")
+    endif()
+  endforeach()
+  file(GLOB_RECURSE internal "${prefix_path}/include/*kernels.h")
+  if(internal)
+    message(FATAL_ERROR "cmake --install installed the internal ${internal}")
+  endif()
 endif()
 execute_process(COMMAND "${CMAKE_COMMAND}" -S "${GWT_SOURCE_DIR}/tests/consumer" -B "${WORK_DIR}/build"
                         -G "${GENERATOR}" "-DCMAKE_PREFIX_PATH=${prefix_path}" "-DTorch_DIR=${TORCH_DIR}" -DGWT_CONSUME=${MODE}

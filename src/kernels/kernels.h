@@ -1,13 +1,14 @@
 #pragma once
 
 /// \file
-/// The kernel seam: plain structs of pointers, sizes and scalars that the torch-facing layer
+/// The kernel seam (internal, not installed): plain structs of pointers, sizes and scalars that the torch-facing layer
 /// (src/optim/wavelet_adam.cpp) fills after validating tensors, and one entry point per body:
 /// src/kernels/*.cpp for the CPU, cuda/*.cu for NVIDIA GPUs. Kernels never see a torch type and
 /// never include an optimizer header.
 
 #include <cstdint>
 
+#include "gwt/cuda.h"  // built_with_cuda, cuda_kernels_run_on
 #include "gwt/wavelet.h"
 
 namespace gwt {
@@ -147,17 +148,6 @@ bool all_finite_cpu(const void* data, int64_t n, ScalarKind kind);
 /// the device. Present when gwt was built with CUDA (GWT_WITH_CUDA); elsewhere these throw.
 void haar_adam_norm_sq_cuda(const HaarAdamArgs& args, void* norm_sq_out);
 void haar_adam_update_cuda(const HaarAdamArgs& args, const void* lim);
-
-/// Whether this build of gwt contains the CUDA body.
-bool built_with_cuda();
-
-/// Whether the CUDA kernels can run on CUDA device `device_index`: the build has them and holds
-/// machine code for the device's compute capability or PTX its driver can compile
-/// (GWT_CUDA_ARCHITECTURES). Asked once per device and remembered; where the answer is no, a
-/// one-time warning names the device's compute capability and the architectures built, and
-/// WaveletAdam gives that device's parameters the reference path. False without CUDA kernels,
-/// without a driver or without that device; never throws for those.
-bool cuda_kernels_run_on(int device_index);
 
 }  // namespace kernels
 }  // namespace gwt
