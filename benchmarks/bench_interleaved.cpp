@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "gwt/gwt.h"
-#include "../src/kernels/kernels.h"
+#include "kernels/kernels.h"
 #include "memory_floors.h"
 #include "workloads.h"
 

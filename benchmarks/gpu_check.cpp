@@ -9,7 +9,7 @@
 //             [--json out.json] [--markdown out.md] [--steps N]
 //
 // --emulate (with --device cpu): the multi-tensor kernels' bodies run on the host over the GPU's
-// grid (src/kernels/multi_tensor_emulate.h), so the checks exercise the device path without a
+// grid (src/kernels/shared/multi_tensor_emulate.h), so the checks exercise the device path without a
 // GPU (gpu_check.sh's dry run). --quick: small shapes only (compute-sanitizer's memcheck); with
 // --only NAME, one small case of that wavelet (racecheck). --only NAME: the checks of one wavelet
 // (haar, db2, haar2d). --checks-only skips the timing.
@@ -38,7 +38,7 @@
 #include "../src/optim/wavelet_adam_device.h"
 #include "../tests/float_bound.h"
 #include "gwt/gwt.h"
-#include "../src/kernels/kernels.h"
+#include "kernels/kernels.h"
 #include "workloads.h"
 
 #ifdef GWT_GPU_CHECK_CUDA

@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "../src/kernels/wavelet_row.h"
+#include "kernels/shared/wavelet_row.h"
 
 namespace gwt {
 namespace kernels {
@@ -37,7 +37,7 @@ __device__ __forceinline__ T block_reduce(T value) {
   return value;
 }
 
-/// The threads of one block as the lanes of the shared bodies (src/kernels/wavelet_row.h).
+/// The threads of one block as the lanes of the shared bodies (src/kernels/shared/wavelet_row.h).
 struct BlockLanes {
   __host__ __device__ int64_t lane() const {
 #ifdef __CUDA_ARCH__

@@ -1,7 +1,7 @@
 // CUDA body of the fused Haar WaveletAdam passes (see src/kernels/kernels.h for the rule).
 //
 // One thread per approximation coefficient (one Haar block of 2^level elements); the per-block
-// body is src/kernels/haar_block.h, which the tests also run on the host. Blocks of four fp32
+// body is src/kernels/shared/haar_block.h, which the tests also run on the host. Blocks of four fp32
 // elements are read and written as one aligned float4 when the row length allows it, with a
 // scalar fallback. Math in float (double for float64 parameters); half and bfloat16 converted in
 // registers. Both passes run on the current stream and never wait for the host: the norm pass
@@ -20,8 +20,8 @@
 #include <cstdint>
 #include <mutex>
 
-#include "../src/kernels/dispatch.h"
-#include "../src/kernels/haar_block.h"
+#include "kernels/shared/dispatch.h"
+#include "kernels/shared/haar_block.h"
 #include "block_reduce.cuh"
 #include "kernels/kernels.h"
 

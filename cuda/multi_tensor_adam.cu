@@ -1,4 +1,4 @@
-// CUDA launches of the multi-tensor step (src/kernels/multi_tensor.h has the design and the
+// CUDA launches of the multi-tensor step (src/kernels/shared/multi_tensor.h has the design and the
 // bodies; multi_tensor_emulate.h runs the same bodies on the host for the tests). Three kernels
 // per group of tensors sharing their types, each a thin shell: the block's threads run the shared
 // per-thread body, a shared-memory tree sum where there is one, and thread 0 the bookkeeping.
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "block_reduce.cuh"  // BlockLanes
-#include "kernels/dispatch.h"
-#include "kernels/multi_tensor.h"
+#include "kernels/shared/dispatch.h"
+#include "kernels/shared/multi_tensor.h"
 
 namespace gwt {
 namespace kernels {

@@ -5,7 +5,7 @@
 // and IDWT level by level. Everything a row needs lives in shared memory: its coefficients of
 // every level, two scratch rows and the denominators; the update pass computes the coefficients
 // again from the gradient, so no gradient-sized buffer exists and each pass reads the gradient
-// once. The row bodies are src/kernels/wavelet_row.h, which the tests also run on the host (one
+// once. The row bodies are src/kernels/shared/wavelet_row.h, which the tests also run on the host (one
 // lane and with several threads), so the arithmetic here is the arithmetic tested there. Nothing
 // waits for the host: the norm pass writes one partial sum (double) per block and a second
 // one-block kernel adds them, in a fixed order (row::tree_sum), into a device scalar, so the norm
@@ -20,8 +20,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../src/kernels/dispatch.h"
-#include "../src/kernels/wavelet_row.h"
+#include "kernels/shared/dispatch.h"
+#include "kernels/shared/wavelet_row.h"
 #include "block_reduce.cuh"
 #include "kernels/kernels.h"
 

@@ -63,7 +63,7 @@ cmake --build "$build" --parallel "${GWT_JOBS:-$(nproc)}" \
   --target $(printf 'gwt_fuzz_%s ' "${targets[@]}") >"$build/build.log" 2>&1 \
   || { tail -50 "$build/build.log" >&2; exit 1; }
 echo "fuzz: built in $(($(date +%s) - start)) s ($build)"
-# The clang build of the AVX2 kernel files (clang's pragma, src/kernels/avx2_target.h): no AVX code
+# The clang build of the AVX2 kernel files (clang's pragma, src/kernels/avx2/avx2_target.h): no AVX code
 # in a function other files may share, as ctest checks the GCC build.
 [[ "$(uname -m)" != x86_64 ]] || python3 "$root/tests/isa_check.py" "$build" || exit 1
 

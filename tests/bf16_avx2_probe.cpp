@@ -1,4 +1,4 @@
-// The kernels' AVX2 bfloat16 and float16 conversions (src/kernels/bf16_avx2.h, f16_avx2.h) behind
+// The kernels' AVX2 bfloat16 and float16 conversions (src/kernels/avx2/bf16_avx2.h, f16_avx2.h) behind
 // plain functions, for KernelSimd.BFloat16ConversionsAreC10s and
 // KernelSimd.HalfConversionsAreC10s in test_fused.cpp. Compiled with -mavx2 (x86-64 only,
 // tests/CMakeLists.txt) and called only where the CPU has AVX2. It includes nothing but the
@@ -8,8 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../src/kernels/bf16_avx2.h"
-#include "../src/kernels/f16_avx2.h"
+#include "kernels/avx2/bf16_avx2.h"
+#include "kernels/avx2/f16_avx2.h"
 
 namespace gwt_test {
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """No AVX code where the linker may hand it to a CPU without AVX2.
 
-The AVX2 builds of the CPU kernels (src/kernels/*_avx2.cpp) may define only two kinds of functions
+The AVX2 builds of the CPU kernels (src/kernels/avx2/*_avx2.cpp) may define only two kinds of functions
 that other object files can see: gwt's own, in namespace gwt::kernels::avx2, which no other file
 defines and which run only after the dispatch saw AVX2; and copies of functions other files
 share (inline and template functions of the standard library, c10, ATen, gwt's public headers),
 which must then hold no AVX instruction: the linker keeps one copy of each for every caller, and
-it may be this one (src/kernels/avx2_target.h).
+it may be this one (src/kernels/avx2/avx2_target.h).
 
 Checked on the objects of the build given (as configured), and on the same files compiled again
 without optimisation, where the compiler leaves most inline functions out of line: before
@@ -115,9 +115,9 @@ def main():
     build = sys.argv[1]
     db = os.path.join(build, "compile_commands.json")
     entries = [e for e in json.load(open(db))
-               if re.search(r"src/kernels/[a-z_]+_avx2\.cpp$", e["file"])]
+               if re.search(r"src/kernels/avx2/[a-z_]+_avx2\.cpp$", e["file"])]
     if not entries:
-        print(f"isa_check: no src/kernels/*_avx2.cpp in {db} (an x86-64 build has two)")
+        print(f"isa_check: no src/kernels/avx2/*_avx2.cpp in {db} (an x86-64 build has two)")
         return 1
     bad = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,12 +17,12 @@
 #include <string>
 #include <vector>
 
-#include "../src/kernels/haar_block.h"
-#include "../src/kernels/wavelet_row.h"
+#include "kernels/shared/haar_block.h"
+#include "kernels/shared/wavelet_row.h"
 #include "bound_expect.h"
 #include "float_bound.h"
 #include "gwt/gwt.h"
-#include "../src/kernels/kernels.h"
+#include "kernels/kernels.h"
 #include "test_util.h"
 
 #ifdef GWT_TEST_BF16_AVX2_PROBE
@@ -812,8 +812,8 @@ namespace {
 // The CUDA kernels against the CPU reference. They run only where a GPU is present; elsewhere the
 // CUDA sources are still compiled and linked (GWT_CUDA=AUTO), and these tests say why they skip.
 // The CUDA kernels' bodies run on the host: the general kernel's row bodies
-// (src/kernels/wavelet_row.h) with one lane, the Haar kernel's block bodies
-// (src/kernels/haar_block.h) block after block. This is the arithmetic and control flow the GPU
+// (src/kernels/shared/wavelet_row.h) with one lane, the Haar kernel's block bodies
+// (src/kernels/shared/haar_block.h) block after block. This is the arithmetic and control flow the GPU
 // runs, checked here against the ATen reference.
 struct EmulatedKernel {
   at::Tensor m, v, norm;  // the optimizer state of one parameter

@@ -1,4 +1,4 @@
-// The CUDA kernels' shared bodies (src/kernels/wavelet_row.h, src/kernels/haar_block.h) run on the
+// The CUDA kernels' shared bodies (src/kernels/shared/wavelet_row.h, src/kernels/shared/haar_block.h) run on the
 // host with several lanes: one std::thread per lane and a barrier for Lanes::sync(), so the
 // barriers and the lanes' shares of the work are exercised, not only the arithmetic
 // (tests/test_fused.cpp's KernelRows tests run one lane). Everything is float64 and compared with
@@ -28,10 +28,10 @@
 #include <thread>
 #include <vector>
 
-#include "../src/kernels/haar_block.h"
-#include "../src/kernels/wavelet_row.h"
+#include "kernels/shared/haar_block.h"
+#include "kernels/shared/wavelet_row.h"
 #include "gwt/gwt.h"
-#include "../src/kernels/kernels.h"
+#include "kernels/kernels.h"
 #include "test_util.h"
 
 namespace {

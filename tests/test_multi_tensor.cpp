@@ -1,4 +1,4 @@
-// The multi-tensor step (src/kernels/multi_tensor.h, the CUDA kernels' bodies) run on the host over
+// The multi-tensor step (src/kernels/shared/multi_tensor.h, the CUDA kernels' bodies) run on the host over
 // the same grid the GPU runs (multi_tensor_emulate.h), against the readable reference
 // (WaveletAdamOptions::fused(false)): the device code tested on machines without a GPU.
 
@@ -13,8 +13,8 @@
 #include <tuple>
 #include <vector>
 
-#include "../src/kernels/multi_tensor.h"
-#include "../src/kernels/multi_tensor_emulate.h"
+#include "kernels/shared/multi_tensor.h"
+#include "kernels/shared/multi_tensor_emulate.h"
 #include "../src/optim/wavelet_adam_device.h"
 #include "bound_expect.h"
 #include "float_bound.h"

@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-#include "../../src/kernels/kernels.h"
+#include "kernels/kernels.h"
 #include "gwt/nn/delta_linear.h"
 #include "gwt/optim/galore_adam.h"
 #include "gwt/optim/wavelet_adam.h"

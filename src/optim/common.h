@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "../plain_tensor.h"
-#include "../kernels/kernels.h"
+#include "kernels/kernels.h"
 
 namespace gwt {
 namespace optim_detail {

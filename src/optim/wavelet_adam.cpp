@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common.h"
-#include "../kernels/kernels.h"
+#include "kernels/kernels.h"
 #include "gwt/transform.h"
 #include "gwt/wavelet.h"
 #include "wavelet_adam_detail.h"

@@ -11,8 +11,8 @@
 #include <tuple>
 
 #include "common.h"
-#include "kernels/multi_tensor.h"
-#include "kernels/multi_tensor_emulate.h"
+#include "kernels/shared/multi_tensor.h"
+#include "kernels/shared/multi_tensor_emulate.h"
 
 namespace gwt {
 namespace wavelet_adam_detail {

@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal to gwt::WaveletAdam (not installed): the step of CUDA parameters through the
-// multi-tensor kernels (src/kernels/multi_tensor.h), with their step counts, skip counts and
+// multi-tensor kernels (src/kernels/shared/multi_tensor.h), with their step counts, skip counts and
 // limiter norms in device memory, so that a step never waits for the device and can be captured
 // in a CUDA graph.
 //
@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../kernels/kernels.h"
+#include "kernels/kernels.h"
 #include "gwt/optim/wavelet_adam.h"
 
 namespace gwt {
@@ -59,7 +59,7 @@ class DeviceSteps {
 };
 
 /// Tests only: CPU parameters take the multi-tensor step too, through the host emulation of its
-/// kernels (src/kernels/multi_tensor_emulate.h), so that what the optimizer keeps on the device
+/// kernels (src/kernels/shared/multi_tensor_emulate.h), so that what the optimizer keeps on the device
 /// (counts, norms, skips, their sync, checkpoints) is tested on machines without a GPU. Read at
 /// each step; off by default.
 void emulate_device_steps_on_cpu(bool on);

@@ -12,8 +12,8 @@
 
 #include <cstdint>
 
-#include "bf16_avx2.h"
-#include "f16_avx2.h"
+#include "kernels/avx2/bf16_avx2.h"
+#include "kernels/avx2/f16_avx2.h"
 
 namespace gwt {
 namespace kernels {

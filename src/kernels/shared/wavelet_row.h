@@ -19,7 +19,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "gwt/wavelet.h"
 
 #if defined(__CUDACC__)

@@ -15,7 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "values8_avx2.h"
+#include "kernels/avx2/values8_avx2.h"
 
 #ifndef GWT_HAAR_AHEAD
 #define GWT_HAAR_AHEAD 1024

@@ -1,12 +1,12 @@
 // The general fused body compiled for AVX2 and FMA (avx2_target.h); called only after the CPU
 // reported both.
 
-#include "avx2_target.h"
+#include "kernels/avx2/avx2_target.h"
 
 GWT_AVX2_BEGIN
 
 #define GWT_KERNEL_NS avx2
-#include "wavelet_adam_cpu_impl.h"
+#include "kernels/cpu/wavelet_adam_cpu_impl.h"
 
 namespace gwt {
 namespace kernels {

@@ -18,16 +18,16 @@
 #include <type_traits>
 #include <vector>
 
-#include "dispatch.h"
-#include "kernels.h"
-#include "taps.h"
-#include "wavelet_row.h"
+#include "kernels/shared/dispatch.h"
+#include "kernels/kernels.h"
+#include "kernels/cpu/taps.h"
+#include "kernels/shared/wavelet_row.h"
 
 // The AVX2 build steps float32 or bfloat16 rows eight at a time, one per lane
 // (wavelet_rows8_avx2.h).
 #if defined(GWT_AVX2_BODY)  // avx2_target.h
 #define GWT_WAVELET_ROWS8 1
-#include "wavelet_rows8_avx2.h"
+#include "kernels/avx2/wavelet_rows8_avx2.h"
 #endif
 
 #ifndef GWT_KERNEL_NS

@@ -17,9 +17,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "dispatch.h"
-#include "kernels.h"
-#include "haar_simd_avx2.h"
+#include "kernels/shared/dispatch.h"
+#include "kernels/kernels.h"
+#include "kernels/avx2/haar_simd_avx2.h"
 
 #ifndef GWT_KERNEL_NS
 #error "define GWT_KERNEL_NS before including haar_adam_cpu_impl.h"

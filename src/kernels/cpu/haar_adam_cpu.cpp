@@ -2,9 +2,9 @@
 // picks the AVX2 build of the body when the CPU has it (x86-64), the baseline build otherwise.
 
 #define GWT_KERNEL_NS baseline
-#include "dense_adam_cpu_impl.h"
-#include "haar_adam_cpu_impl.h"
-#include "multi_tensor.h"
+#include "kernels/cpu/dense_adam_cpu_impl.h"
+#include "kernels/cpu/haar_adam_cpu_impl.h"
+#include "kernels/shared/multi_tensor.h"
 
 namespace gwt {
 namespace kernels {

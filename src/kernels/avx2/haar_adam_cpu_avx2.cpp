@@ -1,13 +1,13 @@
 // The fused Haar body and the dense loop compiled for AVX2 and FMA (avx2_target.h); called only
 // after the CPU reported both.
 
-#include "avx2_target.h"
+#include "kernels/avx2/avx2_target.h"
 
 GWT_AVX2_BEGIN
 
 #define GWT_KERNEL_NS avx2
-#include "dense_adam_cpu_impl.h"
-#include "haar_adam_cpu_impl.h"
+#include "kernels/cpu/dense_adam_cpu_impl.h"
+#include "kernels/cpu/haar_adam_cpu_impl.h"
 
 namespace gwt {
 namespace kernels {

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 #if defined(GWT_AVX2_BODY)
 #include <immintrin.h>

@@ -32,8 +32,8 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels.h"
-#include "wavelet_row.h"  // GWT_ROW_FN, row::to_acc
+#include "kernels/kernels.h"
+#include "kernels/shared/wavelet_row.h"  // GWT_ROW_FN, row::to_acc
 
 namespace gwt {
 namespace kernels {

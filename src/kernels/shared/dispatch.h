@@ -19,7 +19,7 @@
 #include <string>
 #include <type_traits>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 namespace gwt {
 namespace kernels {

@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "dispatch.h"
-#include "multi_tensor.h"
+#include "kernels/shared/dispatch.h"
+#include "kernels/shared/multi_tensor.h"
 
 namespace gwt {
 namespace kernels {

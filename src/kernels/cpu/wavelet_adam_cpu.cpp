@@ -2,7 +2,7 @@
 // has it (x86-64), the baseline build otherwise.
 
 #define GWT_KERNEL_NS baseline
-#include "wavelet_adam_cpu_impl.h"
+#include "kernels/cpu/wavelet_adam_cpu_impl.h"
 
 namespace gwt {
 namespace kernels {

@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels.h"
-#include "wavelet_row.h"  // GWT_ROW_FN, row::to_acc
+#include "kernels/kernels.h"
+#include "kernels/shared/wavelet_row.h"  // GWT_ROW_FN, row::to_acc
 
 namespace gwt {
 namespace kernels {

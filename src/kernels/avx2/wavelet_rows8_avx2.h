@@ -14,7 +14,7 @@
 // 8x8 transposes (24 shuffles per 64 values), all in L1/L2: the gradient and the parameter are
 // still read and written once each, row-major.
 //
-// The arithmetic is that of the one-row kernel (src/kernels/wavelet_adam_cpu_impl.h, PyWavelets'
+// The arithmetic is that of the one-row kernel (src/kernels/cpu/wavelet_adam_cpu_impl.h, PyWavelets'
 // conventions, taps in the same order), so each lane computes its row's result within rounding of
 // the one-row kernel; the tests hold both to the reference (tests/test_fused.cpp).
 
@@ -28,11 +28,11 @@
 #include <string>
 #include <vector>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "gwt/wavelet.h"
-#include "taps.h"
-#include "values8_avx2.h"
-#include "wavelet_row.h"
+#include "kernels/cpu/taps.h"
+#include "kernels/avx2/values8_avx2.h"
+#include "kernels/shared/wavelet_row.h"
 
 namespace gwt {
 namespace kernels {

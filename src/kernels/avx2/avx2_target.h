@@ -43,7 +43,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "gwt/wavelet.h"
 
 // GWT_AVX2_BODY: the code between the two macros is the AVX2 build (the kernels' headers test it
