@@ -5,6 +5,11 @@ The state lives where torch keeps it (``optimizer.state[param]``: a dict of tens
 ``torch.optim.lr_scheduler`` work as with any torch optimizer. ``step()`` hands the groups and the
 state to the C++ library, whose ``gwt::WaveletAdam::step`` (``gwt::GaLoreAdam::step``) updates the
 parameters and the moments in place with its kernels (CPU and CUDA), on the same tensors.
+
+The C++ optimizer is kept across steps (a session of ``_C``) while the parameters stay the same;
+the step counts and norms it keeps (on the device, for CUDA parameters) come back into
+``optimizer.state`` when Python code reads it, so a step never waits for the GPU and can be
+captured in a CUDA graph (``torch.cuda.graph``; docs/performance.md says how).
 """
 
 from __future__ import annotations
@@ -57,7 +62,40 @@ class _CppOptimizer(Optimizer):
 
     def __init__(self, params: Iterable, defaults: Dict[str, Any]) -> None:
         self._counters = {name: 0 for name in self._counter_names}
+        self._session = None  # the C++ optimizer kept across steps
+        self._state_current = True  # whether self.__dict__["state"] holds the session's state
         super().__init__(params, defaults)
+
+    # -- the state, current when read -------------------------------------------------------
+    @property
+    def state(self):  # type: ignore[override]
+        """torch's per-parameter state (a dict keyed by parameter), with what the C++ optimizer
+        keeps between steps (step counts, limiter norms; on the device for CUDA parameters)
+        written into it first: reading it after a step of CUDA parameters waits for the device."""
+        self._sync_state()
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["state"] = value
+        self._session = None
+        self._state_current = True
+
+    def _sync_state(self) -> None:
+        """Writes the session's state and counters into Python's, once after each step."""
+        session = self.__dict__.get("_session")
+        if session is None or self._state_current:
+            return
+        counters = session.sync(self.__dict__["state"])
+        for name in self._counter_names:
+            self._counters[name] += counters[name] - self._session_counters[name]
+        self._session_counters = {name: counters[name] for name in self._counter_names}
+        self._state_current = True
+
+    def _end_session(self) -> None:
+        """Python's state made current, and the next step makes a new C++ optimizer from it."""
+        self._sync_state()
+        self._session = None
 
     # -- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -89,9 +127,28 @@ class _CppOptimizer(Optimizer):
                 loss = closure()
         for i in range(len(self.param_groups)):
             self._check_tensors(i, grads=True)
-        increments = getattr(_C, self._prefix + "_step")(self.param_groups, self.state)
-        for name, value in increments.items():
-            self._counters[name] += value
+        session = self._session
+        if session is not None and not (
+            session.matches(self.param_groups)
+            and (not self._state_current or session.state_unchanged(self.__dict__["state"]))
+        ):
+            self._end_session()  # other parameters, or state changed from Python
+            session = None
+        if session is None:
+            session = getattr(_C, "_" + self._prefix + "_session")(self.param_groups,
+                                                                    self.__dict__["state"])
+            self._session = session
+            self._session_counters = {name: 0 for name in self._counter_names}
+        self._state_current = False
+        try:
+            session.step(self.param_groups)
+        except BaseException:
+            # A step that failed partway (out of memory, say, after some parameters were updated)
+            # has moved those parameters' moments in place: their step counts and norms go back to
+            # Python too, as the C++ optimizer keeps them. (An error found by the checks before
+            # any update leaves the state as it was.)
+            self._end_session()
+            raise
         return loss
 
     def _check_tensors(self, i: int, grads: bool) -> None:
@@ -123,6 +180,7 @@ class _CppOptimizer(Optimizer):
         first, as its own checkpoint loader does (shapes for the options, finite moments, second
         moments >= 0, dtypes), and a state_dict that does not fit raises with the optimizer
         unchanged."""
+        self._end_session()
         counters = {}
         for name in self._counter_names:
             value = state_dict.get(name, 0)
@@ -151,12 +209,14 @@ class _CppOptimizer(Optimizer):
         """Writes the C++ optimizer's checkpoint: the file ``torch::save(optimizer, path)`` writes
         in C++, which ``torch::load`` reads into a ``gwt::WaveletAdam`` (``gwt::GaLoreAdam``) over
         the same parameters in the same groups."""
+        self._sync_state()
         getattr(_C, self._prefix + "_save")(self.param_groups, self.state, dict(self._counters),
                                            str(path))
 
     def load_archive(self, path: str) -> None:
         """Reads a C++ checkpoint (``torch::save(optimizer, path)`` from C++, or save_archive):
         options, state and counters, checked by the C++ loader before anything changes."""
+        self._end_session()
         self._adopt(getattr(_C, self._prefix + "_load")(self.param_groups, str(path)))
 
     def _adopt(self, loaded) -> None:
@@ -172,6 +232,7 @@ class _CppOptimizer(Optimizer):
         self._counters = {name: int(counters[name]) for name in self._counter_names}
 
     def __getstate__(self) -> Dict[str, Any]:
+        self._sync_state()
         state = super().__getstate__()
         state["_counters"] = dict(self._counters)
         return state
@@ -179,6 +240,8 @@ class _CppOptimizer(Optimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_counters", {name: 0 for name in self._counter_names})
+        self._session = None
+        self._state_current = True
 
     # -- reports -----------------------------------------------------------------------------
     def state_bytes(self, param: Optional[torch.Tensor] = None) -> int:
@@ -197,6 +260,7 @@ class _CppOptimizer(Optimizer):
 
     def skipped_steps(self) -> int:
         """Steps skipped because a gradient was not finite."""
+        self._sync_state()
         return self._counters["skipped_steps"]
 
 
@@ -282,7 +346,7 @@ class WaveletAdam(_CppOptimizer):
         """Steps skipped because a gradient was not finite (with "skip_param" groups: steps in
         which at least one parameter was skipped); with ``param``, the steps it skipped alone."""
         if param is None:
-            return self._counters["skipped_steps"]
+            return super().skipped_steps()
         entry = self.state.get(param)
         return int(entry.get("skipped", 0)) if entry else 0
 
@@ -345,6 +409,7 @@ class GaLoreAdam(_CppOptimizer):
 
     def svd_fallbacks(self) -> int:
         """Projector refreshes whose SVD failed (the previous projector was kept)."""
+        self._sync_state()
         return self._counters["svd_fallbacks"]
 
     def is_projected_param(self, param: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Optimizer step time: ``python -m gwt.bench``.
+"""Optimizer step time of the Python package: ``python benchmarks/python/step_time.py``.
 
 Times one ``step()`` on the LLaMA-60M wavelet-eligible set (benchmarks/workloads.h: 8 layers of q, k,
 v, o 512x512, gate and up 1376x512, down 512x1376, 25.3M float32 values with fixed gradients) for
@@ -190,7 +190,7 @@ def make_variants(shapes, device, lr, names):
     }
     unknown = set(names) - set(factories)
     if unknown:
-        raise SystemExit(f"gwt.bench: unknown variant(s) {sorted(unknown)}; valid: "
+        raise SystemExit(f"step_time.py: unknown variant(s) {sorted(unknown)}; valid: "
                          f"{list(factories)}")
     return {name: factories[name]() for name in factories if name in names}
 
@@ -252,7 +252,7 @@ def run(args) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gwt.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/python/step_time.py", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="llama60m")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
