@@ -1,6 +1,6 @@
 // The kernels' AVX2 bfloat16 and float16 conversions (src/kernels/avx2/bf16_avx2.h, f16_avx2.h) behind
 // plain functions, for KernelSimd.BFloat16ConversionsAreC10s and
-// KernelSimd.HalfConversionsAreC10s in test_fused.cpp. Compiled with -mavx2 (x86-64 only,
+// KernelSimd.HalfConversionsAreC10s in test_fused_simd.cpp. Compiled with -mavx2 (x86-64 only,
 // tests/CMakeLists.txt) and called only where the CPU has AVX2. It includes nothing but the
 // intrinsics and those headers, so no inline function it shares with the other translation units
 // (the standard library's, c10's, GoogleTest's) can get an AVX2 copy here.

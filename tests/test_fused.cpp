@@ -1,38 +1,25 @@
-// The fused kernels against the readable ATen reference (WaveletAdamOptions::fused(false)).
+// The fused kernels against the readable ATen reference (WaveletAdamOptions::fused(false)), on
+// the CPU and on a CUDA device. What depends on the instruction set (the AVX2 bodies and their
+// conversions): test_fused_simd.cpp; the CUDA kernels' bodies run on the host:
+// test_fused_kernel_rows.cpp.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
 
-#if defined(__x86_64__)
-#include <cpuid.h>
-#endif
-
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "kernels/shared/haar_block.h"
-#include "kernels/shared/wavelet_row.h"
 #include "bound_expect.h"
 #include "float_bound.h"
+#include "fused_test_util.h"
 #include "gwt/gwt.h"
-#include "kernels/kernels.h"
 #include "test_util.h"
-
-#ifdef GWT_TEST_BF16_AVX2_PROBE
-namespace gwt_test {
-void bf16_round_avx2(const float* in, uint16_t* out, size_t n);  // tests/bf16_avx2_probe.cpp
-void bf16_widen_avx2(const uint16_t* in, float* out, size_t n);
-void f16_round_avx2(const float* in, uint16_t* out, size_t n);
-void f16_widen_avx2(const uint16_t* in, float* out, size_t n);
-}  // namespace gwt_test
-#endif
 
 namespace {
 
@@ -41,23 +28,7 @@ using gwt::WaveletAdamOptions;
 using gwt_test::expect_within_bound;
 using gwt_test::max_abs_diff;
 using gwt_test::rel_error;
-
-struct OptRun {
-  at::Tensor param;
-  std::unique_ptr<WaveletAdam> opt;
-};
-
-OptRun make_run(const at::Tensor& init, at::ScalarType dtype, const WaveletAdamOptions& options) {
-  OptRun r;
-  r.param = init.to(dtype).clone().requires_grad_(true);
-  r.opt = std::make_unique<WaveletAdam>(std::vector<at::Tensor>{r.param}, options);
-  return r;
-}
-
-void step(OptRun& r, const at::Tensor& grad) {
-  r.param.mutable_grad() = grad.to(r.param.scalar_type());
-  r.opt->step();
-}
+using namespace gwt_test::fused;
 
 // Growing gradients so the norm-growth limiter acts.
 std::vector<at::Tensor> gradients(at::IntArrayRef shape, int steps, int64_t seed) {
@@ -66,46 +37,6 @@ std::vector<at::Tensor> gradients(at::IntArrayRef shape, int steps, int64_t seed
   for (int t = 0; t < steps; ++t) out.push_back(at::randn(shape, at::kDouble) * (1 + 2 * t));
   return out;
 }
-
-WaveletAdamOptions base_options() {
-  return WaveletAdamOptions(0.02).weight_decay(0.1).scale(0.5).wavelet("haar");
-}
-
-// The fused and the reference run of one parameter in a reduced precision, with the float64 run
-// and the bound that both must keep to.
-struct BoundedRuns {
-  OptRun fused, reference, exact;
-  gwt_test::RoundingBound bound;
-  BoundedRuns(const at::Tensor& init, at::ScalarType dtype, const WaveletAdamOptions& o,
-              at::ScalarType state = at::kFloat)
-      : fused(make_run(init, dtype, WaveletAdamOptions(o).fused(true))),
-        reference(make_run(init, dtype, WaveletAdamOptions(o).fused(false))),
-        exact(make_run(init, at::kDouble, WaveletAdamOptions(o).state_dtype("auto").fused(false))),
-        bound(init.sizes(), o, dtype, state) {}
-  // One step of all three with gradient g (float64 values representable in dtype), then the rule.
-  void step_and_check(const at::Tensor& g, double max_relative, const std::string& what) {
-    step(fused, g), step(reference, g), step(exact, g);
-    check(g, max_relative, what);
-  }
-  // As step_and_check, with the bound's guard at `fraction` of this step's largest change of the
-  // float64 run's parameters (relative to their largest magnitude), for shapes whose a priori
-  // bound grows with their coefficient count past a fixed guard. A bound under half a step's
-  // change still fails a block left out or stepped twice.
-  void step_and_check_below_step(const at::Tensor& g, double fraction, const std::string& what) {
-    const at::Tensor before = exact.param.detach().clone();
-    step(fused, g), step(reference, g), step(exact, g);
-    const at::Tensor after = exact.param.detach();
-    const double change = (after - before).abs().max().item<double>();
-    check(g, fraction * change / after.abs().max().item<double>(), what);
-  }
-
- private:
-  void check(const at::Tensor& g, double max_relative, const std::string& what) {
-    bound.step(g, exact.param.detach());
-    expect_within_bound(fused.param, exact.param, bound, max_relative, what + " fused");
-    expect_within_bound(reference.param, exact.param, bound, max_relative, what + " reference");
-  }
-};
 
 // Float64: two float64 runs of one rule (the fused kernel and the reference, or the device and
 // the CPU) each lie within the data's rounding bound (tests/float_bound.h with u = 2^-53) of the
@@ -145,11 +76,6 @@ struct Float64Runs {
     expect_float64_pair(fused.param, reference.param, bound, max_relative, what);
   }
 };
-
-const gwt::WaveletAdamParamState& state_of(const OptRun& r) {
-  return static_cast<const gwt::WaveletAdamParamState&>(
-      *r.opt->state().at(r.param.unsafeGetTensorImpl()));
-}
 
 TEST(Fused, HaarMatchesReferenceInFloat32AcrossShapesAndLevels) {
   // Levels 4 and 5 (the kernel's instance with a run-time block size) where the rows have 2^level
@@ -329,181 +255,6 @@ TEST(Fused, ThresholdedDetailsMatchTheReference) {
     }
 }
 
-// Whether environment variable `name` is set and not "0" (GWT_NO_AVX2, GWT_NO_ROWS8).
-bool env_set(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' && std::string(v) != "0";
-}
-
-#if defined(__x86_64__)
-// Whether the CPU has F16C (CPUID leaf 1, ECX bit 29), which the kernels' float16 conversions use.
-bool cpu_has_f16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
-}
-#endif
-
-// Whether the kernels run their AVX2 bodies here, as gwt::kernels decides (dispatch.h).
-bool avx2_bodies_run() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c() &&
-         !env_set("GWT_NO_AVX2");
-#else
-  return false;
-#endif
-}
-
-// HaarAdamArgs::carry: the norm pass leaves each coefficient's approximation and denominator, and
-// the update pass takes them instead of computing them again. Both are the same computation, so
-// the step must be the same bits with and without it: float32, bfloat16 and float16 parameters
-// (bfloat16 state for one), levels 1 to 3, 1-D and 2-D, shapes whose tiles end in the plain
-// loops' tail. Where the AVX2 bodies run, a carry changed between the passes must change the
-// step, or the update would not be reading it and the comparison would prove nothing.
-TEST(Fused, CarriedApproximationsGiveTheSameBits) {
-  namespace k = gwt::kernels;
-  struct Case {
-    at::ScalarType param, state;
-  };
-  auto kind_of = [](at::ScalarType t) {
-    return t == at::kFloat  ? k::ScalarKind::f32
-           : t == at::kHalf ? k::ScalarKind::f16
-                            : k::ScalarKind::bf16;
-  };
-  int changed = 0, cases = 0;
-  for (const Case c : {Case{at::kFloat, at::kFloat}, Case{at::kBFloat16, at::kFloat},
-                       Case{at::kHalf, at::kFloat}, Case{at::kFloat, at::kBFloat16}})
-    for (const int64_t level : {1, 2, 3})
-      for (const bool two_d : {false, true})
-        for (const std::vector<int64_t>& shape :
-             {std::vector<int64_t>{16, 512}, {13, 1000}, {3, 4100}}) {
-          const int64_t block = int64_t{1} << level, rows = shape[0], n = shape[1];
-          const int64_t approx_len = (n + block - 1) / block;
-          const int64_t state_rows = two_d ? (rows + block - 1) / block : rows;
-          const at::Tensor g = at::randn(shape).to(c.param);
-          // Three runs: no carry, a carry, a carry changed between the passes.
-          std::vector<at::Tensor> p, m, v;
-          std::vector<std::vector<float>> carry(3);
-          std::vector<k::HaarAdamArgs> args(3);
-          const at::Tensor p0 = at::randn(shape).to(c.param);
-          const at::Tensor m0 = (at::randn({state_rows, approx_len}) * 0.1).to(c.state);
-          const at::Tensor v0 = at::rand({state_rows, approx_len}).to(c.state);
-          for (size_t r = 0; r < 3; ++r) {
-            p.push_back(p0.clone()), m.push_back(m0.clone()), v.push_back(v0.clone());
-            k::HaarAdamArgs& a = args[r];
-            a.param = p[r].data_ptr(), a.grad = g.data_ptr();
-            a.exp_avg = m[r].data_ptr(), a.exp_avg_sq = v[r].data_ptr();
-            a.param_kind = kind_of(c.param), a.state_kind = kind_of(c.state);
-            a.rows = rows, a.n = n, a.approx_len = approx_len, a.level = level;
-            a.step_size = 1e-3, a.decay = 1e-4, a.two_d = two_d, a.height = two_d ? rows : 1;
-            if (r > 0) {
-              carry[r].assign(static_cast<size_t>(2 * state_rows * approx_len), 0.0f);
-              a.carry = carry[r].data();
-            }
-          }
-          const std::string what = c10::str(c.param, " params, ", c.state, " state, level ", level,
-                                            two_d ? " 2-D " : " 1-D ", at::IntArrayRef(shape));
-          for (int step = 0; step < 3; ++step) {
-            double norms[3];
-            for (size_t r = 0; r < 3; ++r) norms[r] = k::haar_adam_norm_sq_cpu(args[r]);
-            EXPECT_EQ(norms[0], norms[1]) << what;
-            for (float& x : carry[2]) x *= 1.5f;
-            for (size_t r = 0; r < 3; ++r) k::haar_adam_update_cpu(args[r], 1.25);
-          }
-          EXPECT_TRUE(at::equal(p[0], p[1])) << what;
-          EXPECT_TRUE(at::equal(m[0], m[1])) << what;
-          EXPECT_TRUE(at::equal(v[0], v[1])) << what;
-          changed += !at::equal(p[0], p[2]);
-          ++cases;
-        }
-  // Every case has whole vector groups of coefficients, so the AVX2 bodies use the carry in all.
-  if (avx2_bodies_run()) {
-    EXPECT_EQ(changed, cases);
-  } else {
-    EXPECT_EQ(changed, 0);
-  }
-}
-
-// The eight-lane body reads bfloat16 parameters, gradients and moments by widening them exactly and
-// stores them by rounding the float it computed: its float operations are those of a float32 step
-// on the same values, instruction for instruction. So one step from bfloat16 values (moments zero)
-// must give the float32 step's result rounded, bit for bit: the parameters for bfloat16
-// parameters, the moments for bfloat16 state (whose parameters must equal the float32 run's, the
-// update using the moments before they are stored). Row counts are multiples of 8, so every row
-// takes that body; a machine without it (no AVX2, or GWT_NO_AVX2 / GWT_NO_ROWS8 set) skips.
-TEST(Fused, GeneralKernelRowGroupsInBFloat16AreTheFloat32StepRounded) {
-  if (!avx2_bodies_run() || env_set("GWT_NO_ROWS8"))
-    GTEST_SKIP() << "the eight-lane body does not run";
-  for (const std::string wavelet : {"db2", "sym5"})
-    for (const std::string boundary : {"zero", "symmetric", "periodization"})
-      for (const std::vector<int64_t>& shape :
-           {std::vector<int64_t>{8, 37}, {16, 100}, {24, 130}}) {
-        const std::string what = wavelet + " " + boundary + " " + c10::str(at::IntArrayRef(shape));
-        const auto o = base_options().wavelet(wavelet).boundary(boundary).level(2);
-        // Values a bfloat16 holds exactly, of one magnitude (no flush to zero anywhere).
-        const at::Tensor init = at::randn(shape, at::kDouble).to(at::kBFloat16).to(at::kDouble);
-        const at::Tensor g = at::randn(shape, at::kDouble).to(at::kBFloat16).to(at::kDouble);
-        OptRun f32 = make_run(init, at::kFloat, WaveletAdamOptions(o).fused(true));
-        OptRun bf16 = make_run(init, at::kBFloat16, WaveletAdamOptions(o).fused(true));
-        OptRun bf16_state =
-            make_run(init, at::kFloat, WaveletAdamOptions(o).fused(true).state_dtype("bfloat16"));
-        step(f32, g), step(bf16, g), step(bf16_state, g);
-        EXPECT_TRUE(at::equal(bf16.param.detach(), f32.param.detach().to(at::kBFloat16))) << what;
-        EXPECT_TRUE(at::equal(state_of(bf16).exp_avg(), state_of(f32).exp_avg())) << what;
-        EXPECT_TRUE(at::equal(bf16_state.param.detach(), f32.param.detach())) << what;
-        EXPECT_TRUE(
-            at::equal(state_of(bf16_state).exp_avg(), state_of(f32).exp_avg().to(at::kBFloat16)))
-            << what;
-        EXPECT_TRUE(at::equal(state_of(bf16_state).exp_avg_sq(),
-                              state_of(f32).exp_avg_sq().to(at::kBFloat16)))
-            << what;
-      }
-}
-
-// float16 as bfloat16 above: the AVX2 bodies widen float16 values exactly and round on store as
-// c10::Half does (KernelSimd.HalfConversionsAreC10s), with float math, so one step from float16
-// values (moments float32, zero) gives the float32 step's parameters rounded and the same moments,
-// bit for bit, and so does the same gradient given in float32 (read as float32, exactly the same
-// values): the Haar body (levels 1-3, 1-D and 2-D; lengths and heights multiples of 8 blocks,
-// so no element takes the plain loops' tail) and the eight-row body (rows a multiple of 8). ATen's
-// float-to-half cast rounds to nearest, ties to even, subnormals included, on every instruction
-// set.
-TEST(Fused, AvxBodiesInFloat16GiveTheFloat32StepRounded) {
-  if (!avx2_bodies_run()) GTEST_SKIP() << "the AVX2 bodies do not run";
-  struct Case {
-    WaveletAdamOptions options;
-    std::vector<int64_t> shape;
-  };
-  std::vector<Case> cases;
-  for (int64_t level : {1, 2, 3}) {
-    const int64_t span = 8 << level;  // 8 blocks of 2^level
-    cases.push_back({base_options().level(level), {5, 2 * span}});
-    cases.push_back({base_options().level(level).transform("2d"), {span, 2 * span}});
-  }
-  if (!env_set("GWT_NO_ROWS8"))
-    for (const std::string wavelet : {"db2", "sym5"})
-      for (const std::string boundary : {"zero", "symmetric", "periodization"})
-        cases.push_back({base_options().wavelet(wavelet).boundary(boundary).level(2), {16, 100}});
-  for (const auto& c : cases) {
-    const std::string what = c.options.wavelet() + " L=" + std::to_string(c.options.level()) + " " +
-                             c.options.transform() + " " + c.options.boundary();
-    const at::Tensor init = at::randn(c.shape, at::kDouble).to(at::kHalf).to(at::kDouble);
-    const at::Tensor g = at::randn(c.shape, at::kDouble).to(at::kHalf).to(at::kDouble);
-    OptRun f32 = make_run(init, at::kFloat, WaveletAdamOptions(c.options).fused(true));
-    OptRun f16 = make_run(init, at::kHalf, WaveletAdamOptions(c.options).fused(true));
-    // The same float16 parameter with the same gradient in float32 (read as it is: grad_f32).
-    OptRun f16_g32 = make_run(init, at::kHalf, WaveletAdamOptions(c.options).fused(true));
-    ASSERT_TRUE(f16.opt->is_fused_param(f16.param)) << what;
-    step(f32, g), step(f16, g);
-    f16_g32.param.mutable_grad() = g.to(at::kFloat);
-    f16_g32.opt->step();
-    EXPECT_TRUE(at::equal(f16.param.detach(), f32.param.detach().to(at::kHalf))) << what;
-    EXPECT_TRUE(at::equal(state_of(f16).exp_avg(), state_of(f32).exp_avg())) << what;
-    EXPECT_TRUE(at::equal(state_of(f16).exp_avg_sq(), state_of(f32).exp_avg_sq())) << what;
-    EXPECT_TRUE(at::equal(f16_g32.param.detach(), f16.param.detach())) << what << " grad_f32";
-    EXPECT_TRUE(at::equal(state_of(f16_g32).exp_avg(), state_of(f16).exp_avg())) << what;
-  }
-}
-
 TEST(Fused, GeneralWaveletsInHalfPrecision) {
   for (auto dtype : {at::kBFloat16, at::kHalf})
     for (const std::vector<int64_t>& shape : {std::vector<int64_t>{6, 77}, {64, 100}}) {
@@ -563,177 +314,6 @@ TEST(Fused, BFloat16StateHalvesTheStateAndStaysWithinTheRoundingBound) {
   p.mutable_grad() = at::randn({64, 64});
   opt.step();
   EXPECT_EQ(opt.state_bytes(p), 2 * 64 * 16 * 2 + 4);  // bf16 moments + float limiter norm
-}
-
-#ifdef GWT_TEST_BF16_AVX2_PROBE
-// Every 16-bit pattern, 0 to 0xFFFF: every bfloat16 or float16.
-std::vector<uint16_t> every_16_bit_pattern() {
-  std::vector<uint16_t> every(65536);
-  for (uint32_t u = 0; u < 65536; ++u) every[u] = static_cast<uint16_t>(u);
-  return every;
-}
-
-// The floats the conversion tests round: every upper half of a float's bits, each with the given
-// lower halves and `random` pseudo-random ones (a fixed linear congruential sequence from seed).
-std::vector<float> floats_by_upper_half(const std::vector<uint32_t>& lows, int random,
-                                        uint32_t seed) {
-  std::vector<float> floats;
-  floats.reserve(65536 * (lows.size() + static_cast<size_t>(random)));
-  auto push = [&floats](uint32_t bits) {
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    floats.push_back(f);
-  };
-  for (uint32_t high = 0; high < 65536; ++high) {
-    for (uint32_t low : lows) push(high << 16 | low);
-    for (int k = 0; k < random; ++k) {
-      seed = seed * 1664525u + 1013904223u;
-      push(high << 16 | seed >> 16);
-    }
-  }
-  return floats;
-}
-#endif
-
-// The AVX2 Haar loops store bfloat16 parameters and moments through bf16_avx2.h's rounding, the
-// plain loops (and the reference) through c10::BFloat16(float): the two must agree bit for bit on
-// every float, or the same step would round differently by CPU. Every bfloat16 widens; every upper
-// half of a float rounds with the lower halves that decide it (0, 1, just below the tie, the tie,
-// just above, the largest) and 58 pseudo-random ones: 4.2M floats, every NaN and infinity pattern's
-// upper half included.
-TEST(KernelSimd, BFloat16ConversionsAreC10s) {
-#ifndef GWT_TEST_BF16_AVX2_PROBE
-  GTEST_SKIP() << "not an x86-64 build: no AVX2 conversions to check";
-#else
-  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
-  const std::vector<uint16_t> every = every_16_bit_pattern();
-  std::vector<float> widened(every.size());
-  gwt_test::bf16_widen_avx2(every.data(), widened.data(), every.size());
-  int64_t widen_mismatches = 0;
-  for (uint32_t u = 0; u < 65536; ++u) {
-    const float expected = c10::BFloat16(every[u], c10::BFloat16::from_bits());
-    widen_mismatches += std::memcmp(&expected, &widened[u], sizeof(float)) != 0;
-  }
-  EXPECT_EQ(widen_mismatches, 0);
-
-  const std::vector<float> floats =
-      floats_by_upper_half({0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF}, 58, 20261205);
-  std::vector<uint16_t> rounded(floats.size());
-  gwt_test::bf16_round_avx2(floats.data(), rounded.data(), floats.size());
-  int64_t round_mismatches = 0;
-  uint32_t first_mismatch = 0;
-  for (size_t i = 0; i < floats.size(); ++i) {
-    if (c10::BFloat16(floats[i]).x == rounded[i]) continue;
-    if (round_mismatches++ == 0) std::memcpy(&first_mismatch, &floats[i], sizeof first_mismatch);
-  }
-  EXPECT_EQ(round_mismatches, 0) << "first at float bits 0x" << std::hex << first_mismatch;
-#endif
-}
-
-// The same for float16 (f16_avx2.h: F16C's instructions, with c10's NaN), against c10::Half's
-// conversions, which are software in this file's build. Every float16 widens. Floats:
-// every upper half, each with the lower halves around every multiple of 0x1000 (below, at, above)
-// and 16 pseudo-random ones. The rounding points (and ties) of normal-range results are multiples
-// of 0x2000 in the lower half; those of subnormal results are multiples of 0x4000 or 0x8000 there,
-// or lie in the upper half, which is enumerated with the lower halves 0, 1 and 0xFFFF among them.
-// 4.2M floats. Where this file is compiled with F16C (-mf16c, -march=native), c10 converts with
-// it, and a NaN keeps its payload there and becomes 0x7E00 in the kernels: NaNs then compare by
-// being NaN with the same sign. Both round in the default rounding mode (to nearest), which
-// nothing in torch or gwt changes.
-TEST(KernelSimd, HalfConversionsAreC10s) {
-#ifndef GWT_TEST_BF16_AVX2_PROBE
-  GTEST_SKIP() << "not an x86-64 build: no AVX2 conversions to check";
-#else
-  if (!__builtin_cpu_supports("avx2") || !cpu_has_f16c())
-    GTEST_SKIP() << "this CPU has no AVX2 or no F16C";
-#ifdef __F16C__  // (c10's own C10_X86_F16 is undefined again at the end of its Half.h)
-  constexpr bool c10_keeps_nan_payloads = true;
-#else
-  constexpr bool c10_keeps_nan_payloads = false;
-#endif
-  auto same_nan = [](uint32_t a, uint32_t b, uint32_t sign_bit, bool a_nan, bool b_nan) {
-    return a_nan && b_nan && (a & sign_bit) == (b & sign_bit);
-  };
-  const std::vector<uint16_t> every = every_16_bit_pattern();
-  std::vector<float> widened(every.size());
-  gwt_test::f16_widen_avx2(every.data(), widened.data(), every.size());
-  int64_t widen_mismatches = 0;
-  for (uint32_t u = 0; u < 65536; ++u) {
-    const float expected = c10::Half(every[u], c10::Half::from_bits());
-    uint32_t e, w;
-    std::memcpy(&e, &expected, sizeof e), std::memcpy(&w, &widened[u], sizeof w);
-    if (e == w) continue;
-    widen_mismatches +=
-        !(c10_keeps_nan_payloads &&
-          same_nan(e, w, 0x80000000u, std::isnan(expected), std::isnan(widened[u])));
-  }
-  EXPECT_EQ(widen_mismatches, 0);
-
-  std::vector<uint32_t> around_points;  // below, at and above every multiple of 0x1000
-  for (uint32_t point = 0; point < 0x10000; point += 0x1000)
-    for (uint32_t low : {point - 1, point, point + 1}) around_points.push_back(low & 0xFFFF);
-  const std::vector<float> floats = floats_by_upper_half(around_points, 16, 20261206);
-  std::vector<uint16_t> rounded(floats.size());
-  gwt_test::f16_round_avx2(floats.data(), rounded.data(), floats.size());
-  int64_t round_mismatches = 0;
-  uint32_t first_mismatch = 0;
-  for (size_t i = 0; i < floats.size(); ++i) {
-    const c10::Half expected(floats[i]);
-    if (expected.x == rounded[i]) continue;
-    const bool result_nan = (rounded[i] & 0x7C00) == 0x7C00 && (rounded[i] & 0x03FF) != 0;
-    if (c10_keeps_nan_payloads && same_nan(expected.x, rounded[i], 0x8000u,
-                                           std::isnan(static_cast<float>(expected)), result_nan))
-      continue;
-    if (round_mismatches++ == 0) std::memcpy(&first_mismatch, &floats[i], sizeof first_mismatch);
-  }
-  EXPECT_EQ(round_mismatches, 0) << "first at float bits 0x" << std::hex << first_mismatch;
-#endif
-}
-
-// The finiteness check of the CPU kernels (gwt::kernels::all_finite_cpu: the step's check of the
-// reference path's gradients and of GaLore's) against ATen's isfinite, in every dtype it reads:
-// all finite (the most negative finite value, the smallest subnormal and -0 among them), then
-// NaN of either sign, +Inf and -Inf alone at the first and last element, on both sides of the
-// first chunk boundary and inside the third chunk (chunks of 65536 values are checked in
-// parallel), in lengths with and without a partial chunk or vector tail.
-TEST(WaveletAdamKernels, AllFiniteFindsEveryNonFiniteValueInEveryDtype) {
-  for (const auto dtype : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16}) {
-    const auto kind = dtype == at::kDouble  ? gwt::kernels::ScalarKind::f64
-                      : dtype == at::kFloat ? gwt::kernels::ScalarKind::f32
-                      : dtype == at::kHalf  ? gwt::kernels::ScalarKind::f16
-                                            : gwt::kernels::ScalarKind::bf16;
-    // The dtype's largest finite value and its smallest subnormal.
-    const std::pair<double, double> extremes =
-        dtype == at::kDouble  ? std::make_pair(std::numeric_limits<double>::max(),
-                                               std::numeric_limits<double>::denorm_min())
-        : dtype == at::kFloat ? std::make_pair(double{std::numeric_limits<float>::max()},
-                                               double{std::numeric_limits<float>::denorm_min()})
-        : dtype == at::kHalf
-            ? std::make_pair(static_cast<double>(std::numeric_limits<c10::Half>::max()),
-                             static_cast<double>(std::numeric_limits<c10::Half>::denorm_min()))
-            : std::make_pair(static_cast<double>(std::numeric_limits<c10::BFloat16>::max()),
-                             static_cast<double>(std::numeric_limits<c10::BFloat16>::denorm_min()));
-    for (const int64_t n :
-         {int64_t{1}, int64_t{7}, int64_t{65536}, int64_t{65537}, int64_t{200003}}) {
-      at::Tensor x = at::randn({n}, at::kDouble).to(dtype);
-      x[0] = -extremes.first;
-      if (n > 2) x[1] = -0.0, x[2] = extremes.second;
-      ASSERT_TRUE(at::isfinite(x).all().item<bool>());
-      EXPECT_TRUE(gwt::kernels::all_finite_cpu(x.data_ptr(), n, kind)) << dtype << " n " << n;
-      for (const double bad :
-           {std::numeric_limits<double>::quiet_NaN(), -std::numeric_limits<double>::quiet_NaN(),
-            std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()})
-        for (const int64_t pos :
-             {int64_t{0}, n - 1, int64_t{65535}, int64_t{65536}, int64_t{150001}}) {
-          if (pos >= n) continue;
-          at::Tensor y = x.clone();
-          y[pos] = bad;
-          ASSERT_FALSE(at::isfinite(y).all().item<bool>());
-          EXPECT_FALSE(gwt::kernels::all_finite_cpu(y.data_ptr(), n, kind))
-              << dtype << " n " << n << " " << bad << " at " << pos;
-        }
-    }
-  }
 }
 
 TEST(Fused, ResultsDoNotDependOnTheThreadCount) {
@@ -805,208 +385,8 @@ TEST(Fused, NonFiniteGradientIsCaughtByTheNormPass) {
   EXPECT_TRUE(at::equal(before, r.param));
 }
 
-}  // namespace
-
-namespace {
-
 // The CUDA kernels against the CPU reference. They run only where a GPU is present; elsewhere the
 // CUDA sources are still compiled and linked (GWT_CUDA=AUTO), and these tests say why they skip.
-// The CUDA kernels' bodies run on the host: the general kernel's row bodies
-// (src/kernels/shared/wavelet_row.h) with one lane, the Haar kernel's block bodies
-// (src/kernels/shared/haar_block.h) block after block. This is the arithmetic and control flow the GPU
-// runs, checked here against the ATen reference.
-struct EmulatedKernel {
-  at::Tensor m, v, norm;  // the optimizer state of one parameter
-  int64_t kept = 0;
-
-  template <typename S>
-  void init_state(int64_t rows, int64_t approx_len) {
-    if (m.defined()) return;
-    const auto state = std::is_same_v<S, double>  ? at::kDouble
-                       : std::is_same_v<S, float> ? at::kFloat
-                                                  : at::kBFloat16;
-    m = at::zeros({rows, approx_len}, state), v = at::zeros({rows, approx_len}, state);
-  }
-
-  // The kernel arguments of step t that do not depend on the wavelet.
-  static void fill_args(gwt::kernels::HaarAdamArgs& a, int64_t rows, int64_t n, int64_t approx_len,
-                        const WaveletAdamOptions& o, int64_t t) {
-    a.n = n, a.rows = rows, a.approx_len = approx_len, a.level = o.level();
-    std::tie(a.beta1, a.beta2) = o.betas();
-    a.eps = o.eps();
-    a.step_size =
-        o.lr() * std::sqrt(1 - std::pow(a.beta2, t)) / (1 - std::pow(a.beta1, t)) * o.scale();
-    a.decay = o.lr() * o.weight_decay();
-  }
-
-  // The limiter (docs/algorithm.md#the-norm-growth-limiter) from this step's norm pass.
-  template <typename Acc>
-  double limiter(Acc norm_sq, const WaveletAdamOptions& o) {
-    const auto acc = std::is_same_v<Acc, double> ? at::kDouble : at::kFloat;
-    const double now = std::sqrt(static_cast<double>(norm_sq)), gamma = o.norm_growth_limit();
-    if (!norm.defined()) {
-      norm = at::scalar_tensor(now, acc);
-      return 1;
-    }
-    const double lim = std::max(now / (norm.item<double>() + 1e-8), gamma) / gamma;
-    norm = at::scalar_tensor(now / lim, acc);
-    return lim;
-  }
-
-  // One step of parameter p (rows x n, contiguous) with gradient g through the general kernel's
-  // row bodies, as WaveletAdam does it: norm pass, limiter, update pass.
-  template <typename P, typename S, typename Acc>
-  void general_step(at::Tensor& p, const at::Tensor& g, const WaveletAdamOptions& o, int64_t t) {
-    namespace k = gwt::kernels;
-    const gwt::Wavelet wavelet(o.wavelet());
-    const auto mode = gwt::boundary_mode_from_string(o.boundary());
-    const int64_t n = p.size(-1), rows = p.numel() / n;
-    const int64_t approx_len = gwt::approx_len(n, wavelet, o.level(), mode);
-    init_state<S>(rows, approx_len);
-    k::WaveletAdamArgs a;
-    fill_args(a, rows, n, approx_len, o, t);
-    a.dec_lo = wavelet.dec_lo().data(), a.dec_hi = wavelet.dec_hi().data();
-    a.filter_length = wavelet.length(), a.boundary = mode;
-    a.coeff_len = k::wavelet_workspace_len(n, wavelet.length(), o.level(), mode);
-    a.threshold = o.threshold(), a.threshold_soft = o.threshold_mode() == "soft";
-    const auto f = k::row::make_row_plan<Acc>(a);
-    // What one CUDA block keeps in shared memory: the row's coefficients, two scratch rows and the
-    // denominators (cuda/wavelet_adam.cu), reused row after row.
-    std::vector<Acc> w(a.coeff_len), buf0(f.buffer_len), buf1(f.buffer_len), den(approx_len);
-    EXPECT_EQ(static_cast<int64_t>((w.size() + 2 * buf0.size() + den.size()) * sizeof(Acc)),
-              k::wavelet_row_scratch_bytes(n, a.filter_length, a.level, mode, sizeof(Acc) == 8));
-    const k::row::HostLanes lanes;
-    const P* gp = g.data_ptr<P>();
-    P* pp = p.data_ptr<P>();
-    S *mp = m.data_ptr<S>(), *vp = v.data_ptr<S>();
-    Acc norm_sq = 0;
-    for (int64_t r = 0; r < rows; ++r)
-      norm_sq +=
-          k::row::row_norm_sq<P, S, Acc>(lanes, f, gp + r * n, mp + r * approx_len,
-                                         vp + r * approx_len, w.data(), buf0.data(), buf1.data());
-    const double lim = limiter(norm_sq, o);
-    kept = 0;
-    for (int64_t r = 0; r < rows; ++r) {  // the update pass computes the coefficients again
-      k::row::row_dwt<P, Acc>(lanes, f, gp + r * n, w.data(), buf0.data(), buf1.data());
-      kept += k::row::row_update<P, S, Acc>(lanes, f, static_cast<Acc>(lim), pp + r * n,
-                                            mp + r * approx_len, vp + r * approx_len, w.data(),
-                                            buf0.data(), buf1.data(), den.data());
-    }
-  }
-
-  // The same step through the Haar kernel's block bodies (blocks of B = 2^level elements).
-  template <typename P, typename S, typename Acc, int B>
-  void haar_step(at::Tensor& p, const at::Tensor& g, const WaveletAdamOptions& o, int64_t t) {
-    namespace hb = gwt::kernels::haar_block;
-    const int64_t n = p.size(-1), rows = p.numel() / n, approx_len = (n + B - 1) / B;
-    ASSERT_EQ(int64_t{1} << o.level(), B);
-    gwt::kernels::HaarAdamArgs a;
-    fill_args(a, rows, n, approx_len, o, t);
-    a.two_d = o.transform() == "2d";
-    if (a.two_d) a.height = p.size(-2);
-    const hb::Scalars s = hb::scalars_of(a);
-    init_state<S>(s.state_rows, approx_len);
-    const P* gp = g.data_ptr<P>();
-    P* pp = p.data_ptr<P>();
-    S *mp = m.data_ptr<S>(), *vp = v.data_ptr<S>();
-    Acc norm_sq = 0;
-    for (int64_t k = 0; k < hb::coefficients(s); ++k)
-      norm_sq += hb::norm_term<P, S, Acc, B>(gp, mp, vp, s, k, false);
-    const Acc lim = static_cast<Acc>(limiter(norm_sq, o));
-    for (int64_t k = 0; k < hb::coefficients(s); ++k)
-      hb::update<P, S, Acc, B>(pp, gp, mp, vp, s, lim, k, false);
-  }
-};
-
-TEST(KernelRows, CudaHaarBlockBodiesMatchTheReferenceOnTheHost) {
-  for (const std::string transform : {"1d", "2d"})
-    for (const auto& shape : std::vector<std::vector<int64_t>>{{5, 37}, {3, 11, 33}, {16, 64}})
-      for (int64_t level : {1, 2, 3}) {
-        SCOPED_TRACE(transform + " shape " + c10::str(at::IntArrayRef(shape)) + " level " +
-                     std::to_string(level));
-        const auto o = base_options().level(level).transform(transform);
-        const at::Tensor init = at::randn(shape, at::kDouble);
-        OptRun reference = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
-        if (!reference.opt->is_wavelet_param(reference.param)) continue;  // 2-D, 5 rows < 2^3
-        at::Tensor p = init.clone(), p32 = init.to(at::kFloat);
-        gwt_test::RoundingBound bound(shape, o, at::kFloat, at::kFloat);
-        EmulatedKernel emulated, emulated32;
-        int64_t t = 0;
-        for (const auto& g :
-             gwt_test::well_conditioned_gradients(shape, 5, 36, at::kFloat, transform == "2d")) {
-          const at::Tensor g32 = g.to(at::kFloat);
-          step(reference, g);
-          bound.step(g, reference.param.detach());
-          ++t;
-          switch (level) {
-            case 1:
-              emulated.haar_step<double, double, double, 2>(p, g, o, t);
-              emulated32.haar_step<float, float, float, 2>(p32, g32, o, t);
-              break;
-            case 2:
-              emulated.haar_step<double, double, double, 4>(p, g, o, t);
-              emulated32.haar_step<float, float, float, 4>(p32, g32, o, t);
-              break;
-            default:
-              emulated.haar_step<double, double, double, 8>(p, g, o, t);
-              emulated32.haar_step<float, float, float, 8>(p32, g32, o, t);
-          }
-          // float64 exactly as the reference (the GPU body once read float64 through float);
-          // float32 within the rounding bound of the float64 reference.
-          EXPECT_LE(rel_error(p, reference.param), 1e-10) << "step " << t;
-          expect_within_bound(p32, reference.param, bound, 1e-4, "float32 body");
-        }
-      }
-}
-
-TEST(KernelRows, CudaRowBodiesMatchTheReferenceOnTheHostInFloat64) {
-  for (const std::string wavelet : {"db2", "sym3", "coif1", "haar"})
-    for (const std::string boundary : {"zero", "periodization", "symmetric"})
-      for (int64_t level : {1, 2, 3})
-        for (double threshold : {0.0, 0.4}) {
-          SCOPED_TRACE(wavelet + " " + boundary + " level " + std::to_string(level) +
-                       " threshold " + std::to_string(threshold));
-          const auto o = base_options()
-                             .wavelet(wavelet)
-                             .boundary(boundary)
-                             .level(level)
-                             .threshold(threshold)
-                             .threshold_mode(level == 2 ? "hard" : "soft");
-          const std::vector<int64_t> shape = {3, 41};
-          const at::Tensor init = at::randn(shape, at::kDouble);
-          OptRun reference = make_run(init, at::kDouble, WaveletAdamOptions(o).fused(false));
-          at::Tensor p = init.clone();
-          EmulatedKernel emulated;
-          int64_t t = 0;
-          // One-sign rows, as in ThresholdedDetailsMatchTheReference (measured 5.8e-16).
-          for (const auto& g : gwt_test::well_conditioned_gradients(shape, 5, 31, at::kDouble)) {
-            step(reference, g);
-            emulated.general_step<double, double, double>(p, g, o, ++t);
-            EXPECT_LE(rel_error(p, reference.param), 1e-10) << "step " << t;
-            if (threshold > 0) {
-              EXPECT_EQ(emulated.kept, reference.opt->kept_details().first);
-            }
-          }
-        }
-}
-
-TEST(KernelRows, CudaRowBodiesInHalfPrecisionWithBFloat16State) {
-  // Half parameters and bfloat16 moments, math in float: the types the GPU body converts. The
-  // body and the CPU kernel each within the rounding bound of the float64 run.
-  const auto o = base_options().wavelet("db2").level(2).state_dtype("bfloat16");
-  const std::vector<int64_t> shape = {4, 70};
-  const at::Tensor init = at::randn(shape, at::kDouble).to(at::kHalf);
-  BoundedRuns runs(init.to(at::kDouble), at::kHalf, o, at::kBFloat16);
-  ASSERT_TRUE(runs.fused.opt->is_fused_param(runs.fused.param));
-  at::Tensor p = init.clone();
-  EmulatedKernel emulated;
-  int64_t t = 0;
-  for (const auto& g : gwt_test::well_conditioned_gradients(shape, 5, 32, at::kHalf)) {
-    runs.step_and_check(g, 0.1, "half/bf16");  // 0.1: bf16 moments (see check_low_precision)
-    emulated.general_step<c10::Half, c10::BFloat16, float>(p, g.to(at::kHalf), o, ++t);
-    expect_within_bound(p, runs.exact.param, runs.bound, 0.1, "half/bf16 row body");
-  }
-}
 
 TEST(FusedCuda, MatchesTheCpuReference) {
   if (!at::hasCUDA())

@@ -204,152 +204,164 @@ lm::RunSummary train(const Args& args, const lm::Preset& preset, const lm::Corpu
   return s;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The job the command line and the environment ask for: the single-process runs (specs), which
+// take turns, and the scale-out runs, with the preset and the corpus they all train on.
+struct Job {
   Args args;
   lm::Preset preset;
   lm::Corpus corpus;
   std::vector<lm::OptimizerSpec> specs;
   std::vector<std::string> scale_out;
-  const int64_t launched = torchrun_world();
-  const bool rank0 =
-      launched == 1 || std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0";
-  try {
-    args = parse(argc, argv);
-    if (launched > 1 && args.nproc > 1)
-      throw lm::InputError("--nproc " + std::to_string(args.nproc) +
-                           " under torchrun (WORLD_SIZE=" + std::to_string(launched) +
-                           "): torchrun already made the processes; drop --nproc");
-    const int64_t world = launched > 1 ? launched : args.nproc;
-    if (world > 1 && !args.optimizers_given) {
-      if (launched > 1) args.optimizers.clear();  // each rank would repeat the single runs
-      for (const auto& n : lm::scale_out_names()) args.optimizers.push_back(n);
-    }
-    preset = lm::preset(args.preset);
-    if (args.steps > 0) {
-      preset.steps = args.steps;
-      preset.warmup = std::max<int64_t>(1, std::min(preset.warmup, args.steps / 10));
-      preset.eval_every = std::max<int64_t>(1, std::min(preset.eval_every, args.steps / 4));
-    }
-    for (const auto& name : args.optimizers) {
-      if (lm::is_scale_out(name)) {
-        if (world < 2)
-          throw lm::InputError(name +
-                               " is a scale-out run: give --nproc N (N >= 2) or launch "
-                               "with torchrun");
-        if (!lm::scale_out_available())
-          throw lm::InputError(name +
-                               " needs gwt::distributed, and gwt was built without it "
-                               "(Gloo's headers were not found; apt install libgloo-dev)");
-        scale_out.push_back(name);
-        continue;
-      }
-      if (launched > 1)
-        throw lm::InputError("under torchrun only the scale-out runs are made (" + name +
-                             " is a single-process run; run it without torchrun)");
-      lm::OptimizerSpec spec = lm::optimizer_spec(name);
-      const bool adamw = spec.wavelet.empty() && !spec.galore;
-      // GaLore takes WaveletAdam's settings: the GaLore recipe (higher lr, scale 0.25) they match.
-      spec.lr = adamw ? args.lr_adamw : args.lr_wavelet;
-      if (!adamw) spec.scale = args.scale;
-      specs.push_back(spec);
-    }
-    lm::ensure_writable_dir(args.out);
-    corpus = lm::load_corpus(args.corpus, preset.model.seq_len);
-    if (args.device == "cuda" && !torch::cuda::is_available())
-      throw lm::InputError("--device cuda: no CUDA device visible");
-    if (!scale_out.empty() && preset.batch % world != 0)
-      throw lm::InputError("the global batch of " + std::to_string(preset.batch) +
-                           " sequences does not split over " + std::to_string(world) +
-                           " ranks; use a number of ranks that divides it");
-  } catch (const lm::InputError& e) {
-    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
-    return 2;
-  }
-  if (rank0)
-    std::fprintf(
-        stderr,
-        "train_lm: preset %s, corpus %s (%lld documents, %zu train / %zu validation bytes), "
-        "%lld steps\n",
-        preset.name.c_str(), corpus.source.c_str(), static_cast<long long>(corpus.documents),
-        corpus.train.size(), corpus.val.size(), static_cast<long long>(preset.steps));
+};
 
-  std::vector<lm::RunSummary> runs;
-  if (!specs.empty()) {
-    std::unique_ptr<TurnRing> ring;
-    try {
-      ring = std::make_unique<TurnRing>(specs.size());
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s\n", e.what());
+// The job of this command line, under torchrun's `launched` processes (1 without it); a
+// lm::InputError names what is wrong with the input.
+Job plan(int argc, char** argv, int64_t launched) {
+  Job job;
+  Args& args = job.args;
+  lm::Preset& preset = job.preset;
+  lm::Corpus& corpus = job.corpus;
+  std::vector<lm::OptimizerSpec>& specs = job.specs;
+  std::vector<std::string>& scale_out = job.scale_out;
+  args = parse(argc, argv);
+  if (launched > 1 && args.nproc > 1)
+    throw lm::InputError("--nproc " + std::to_string(args.nproc) +
+                         " under torchrun (WORLD_SIZE=" + std::to_string(launched) +
+                         "): torchrun already made the processes; drop --nproc");
+  const int64_t world = launched > 1 ? launched : args.nproc;
+  if (world > 1 && !args.optimizers_given) {
+    if (launched > 1) args.optimizers.clear();  // each rank would repeat the single runs
+    for (const auto& n : lm::scale_out_names()) args.optimizers.push_back(n);
+  }
+  preset = lm::preset(args.preset);
+  if (args.steps > 0) {
+    preset.steps = args.steps;
+    preset.warmup = std::max<int64_t>(1, std::min(preset.warmup, args.steps / 10));
+    preset.eval_every = std::max<int64_t>(1, std::min(preset.eval_every, args.steps / 4));
+  }
+  for (const auto& name : args.optimizers) {
+    if (lm::is_scale_out(name)) {
+      if (world < 2)
+        throw lm::InputError(name +
+                             " is a scale-out run: give --nproc N (N >= 2) or launch "
+                             "with torchrun");
+      if (!lm::scale_out_available())
+        throw lm::InputError(name +
+                             " needs gwt::distributed, and gwt was built without it "
+                             "(Gloo's headers were not found; apt install libgloo-dev)");
+      scale_out.push_back(name);
+      continue;
+    }
+    if (launched > 1)
+      throw lm::InputError("under torchrun only the scale-out runs are made (" + name +
+                           " is a single-process run; run it without torchrun)");
+    lm::OptimizerSpec spec = lm::optimizer_spec(name);
+    const bool adamw = spec.wavelet.empty() && !spec.galore;
+    // GaLore takes WaveletAdam's settings: the GaLore recipe (higher lr, scale 0.25) they match.
+    spec.lr = adamw ? args.lr_adamw : args.lr_wavelet;
+    if (!adamw) spec.scale = args.scale;
+    specs.push_back(spec);
+  }
+  lm::ensure_writable_dir(args.out);
+  corpus = lm::load_corpus(args.corpus, preset.model.seq_len);
+  if (args.device == "cuda" && !torch::cuda::is_available())
+    throw lm::InputError("--device cuda: no CUDA device visible");
+  if (!scale_out.empty() && preset.batch % world != 0)
+    throw lm::InputError("the global batch of " + std::to_string(preset.batch) +
+                         " sequences does not split over " + std::to_string(world) +
+                         " ranks; use a number of ranks that divides it");
+  return job;
+}
+
+// The single-process runs, each in a child process of its own, taking turns (TurnRing); their
+// summaries go to `runs`. Returns main's exit code: 0, or 1 when a run did not start or finish.
+int run_in_turn(const Job& job, std::vector<lm::RunSummary>& runs) {
+  const Args& args = job.args;
+  const lm::Preset& preset = job.preset;
+  const lm::Corpus& corpus = job.corpus;
+  const std::vector<lm::OptimizerSpec>& specs = job.specs;
+  std::unique_ptr<TurnRing> ring;
+  try {
+    ring = std::make_unique<TurnRing>(specs.size());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  TurnRing& turns = *ring;
+  std::vector<pid_t> pids;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& spec = specs[i];
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      try {
+        turns.join(i);
+        const std::string progress =
+            i + 1 < specs.size() ? std::string()
+            : specs.size() == 1
+                ? spec.label
+                : spec.label + " (+" + std::to_string(specs.size() - 1) + " in turn)";
+        lm::write_summary(args.out + "/" + spec.name + ".summary",
+                          train(args, preset, corpus, spec, turns, progress));
+        std::fflush(nullptr);
+        _exit(0);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "\ntrain_lm: run %s failed: %s\n", spec.name.c_str(), e.what());
+        std::fflush(nullptr);
+        _exit(1);
+      }
+    }
+    if (pid < 0) {
+      std::fprintf(stderr, "train_lm: error: fork failed for run %s\n", spec.name.c_str());
+      for (pid_t p : pids) kill(p, SIGKILL), waitpid(p, nullptr, 0);
       return 1;
     }
-    TurnRing& turns = *ring;
-    std::vector<pid_t> pids;
-    for (size_t i = 0; i < specs.size(); ++i) {
-      const auto& spec = specs[i];
-      std::fflush(nullptr);
-      const pid_t pid = fork();
-      if (pid == 0) {
-        try {
-          turns.join(i);
-          const std::string progress =
-              i + 1 < specs.size() ? std::string()
-              : specs.size() == 1  ? spec.label
-                                   : spec.label + " (+" + std::to_string(specs.size() - 1) +
-                                         " in turn)";
-          lm::write_summary(args.out + "/" + spec.name + ".summary",
-                            train(args, preset, corpus, spec, turns, progress));
-          std::fflush(nullptr);
-          _exit(0);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "\ntrain_lm: run %s failed: %s\n", spec.name.c_str(), e.what());
-          std::fflush(nullptr);
-          _exit(1);
-        }
-      }
-      if (pid < 0) {
-        std::fprintf(stderr, "train_lm: error: fork failed for run %s\n", spec.name.c_str());
-        for (pid_t p : pids) kill(p, SIGKILL), waitpid(p, nullptr, 0);
-        return 1;
-      }
-      pids.push_back(pid);
-    }
-    turns.start();
-    bool failed = false;
-    for (size_t i = 0; i < specs.size(); ++i) {
-      int status = 0;
-      const bool waited = waitpid(pids[i], &status, 0) >= 0;
-      if (waited && WIFSIGNALED(status)) {
-        std::fprintf(stderr, "train_lm: error: run %s was killed (signal %d)\n",
-                     specs[i].name.c_str(), WTERMSIG(status));
-        failed = true;
-      } else if (!waited || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        std::fprintf(stderr, "train_lm: error: run %s did not finish\n", specs[i].name.c_str());
-        failed = true;
-      }
-    }
-    if (failed) return 1;
-    for (const auto& spec : specs)
-      runs.push_back(lm::read_summary(args.out + "/" + spec.name + ".summary"));
+    pids.push_back(pid);
   }
+  turns.start();
+  bool failed = false;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    int status = 0;
+    const bool waited = waitpid(pids[i], &status, 0) >= 0;
+    if (waited && WIFSIGNALED(status)) {
+      std::fprintf(stderr, "train_lm: error: run %s was killed (signal %d)\n",
+                   specs[i].name.c_str(), WTERMSIG(status));
+      failed = true;
+    } else if (!waited || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::fprintf(stderr, "train_lm: error: run %s did not finish\n", specs[i].name.c_str());
+      failed = true;
+    }
+  }
+  if (failed) return 1;
+  for (const auto& spec : specs)
+    runs.push_back(lm::read_summary(args.out + "/" + spec.name + ".summary"));
+  return 0;
+}
+
+// The scale-out runs: this process is one of their ranks under torchrun (`launched` > 1), else it
+// spawns --nproc ranks.
+std::vector<lm::ScaleOutSummary> run_scale_out(const Job& job, int64_t launched) {
+  const Args& args = job.args;
+  const lm::Preset& preset = job.preset;
+  const lm::Corpus& corpus = job.corpus;
+  const std::vector<std::string>& scale_out = job.scale_out;
   lm::ScaleOutConfig config;
   config.preset = preset, config.out = args.out, config.device = args.device;
   config.lr = args.lr_wavelet, config.scale = args.scale, config.quiet = args.quiet;
   std::vector<lm::ScaleOutSummary> scaled;
-  try {
-    if (launched > 1)
-      scaled = lm::run_scale_out_in_process(config, corpus, scale_out);
-    else if (!scale_out.empty())
-      scaled = lm::spawn_scale_out(config, corpus, scale_out, args.nproc);
-  } catch (const lm::InputError& e) {
-    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
-    return 1;
-  }
-  if (!rank0) return 0;
+  if (launched > 1)
+    scaled = lm::run_scale_out_in_process(config, corpus, scale_out);
+  else if (!scale_out.empty())
+    scaled = lm::spawn_scale_out(config, corpus, scale_out, args.nproc);
+  return scaled;
+}
+
+// The table of every run, printed and written to <out>/results.md.
+void write_report(const Job& job, const std::vector<lm::RunSummary>& runs,
+                  const std::vector<lm::ScaleOutSummary>& scaled) {
+  const Args& args = job.args;
+  const lm::Preset& preset = job.preset;
+  const lm::Corpus& corpus = job.corpus;
   std::ostringstream report;
   report << "Preset `" << preset.name << "`, " << preset.steps << " steps of " << preset.batch
          << " x " << preset.model.seq_len << " bytes, corpus " << corpus.source
@@ -367,5 +379,46 @@ int main(int argc, char** argv) {
   }
   std::cout << report.str();
   std::ofstream(args.out + "/results.md") << report.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t launched = torchrun_world();
+  const bool rank0 =
+      launched == 1 || std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0";
+  Job job;
+  try {
+    job = plan(argc, argv, launched);
+  } catch (const lm::InputError& e) {
+    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
+    return 2;
+  }
+  if (rank0)
+    std::fprintf(
+        stderr,
+        "train_lm: preset %s, corpus %s (%lld documents, %zu train / %zu validation bytes), "
+        "%lld steps\n",
+        job.preset.name.c_str(), job.corpus.source.c_str(),
+        static_cast<long long>(job.corpus.documents), job.corpus.train.size(),
+        job.corpus.val.size(), static_cast<long long>(job.preset.steps));
+
+  std::vector<lm::RunSummary> runs;
+  if (!job.specs.empty()) {
+    const int code = run_in_turn(job, runs);
+    if (code != 0) return code;
+  }
+  std::vector<lm::ScaleOutSummary> scaled;
+  try {
+    scaled = run_scale_out(job, launched);
+  } catch (const lm::InputError& e) {
+    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
+    return 1;
+  }
+  if (!rank0) return 0;
+  write_report(job, runs, scaled);
   return 0;
 }

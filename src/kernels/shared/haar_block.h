@@ -3,7 +3,7 @@
 // The fused Haar step of one block (2^level elements of a row, or 2^level x 2^level for the 2-D
 // transform; one approximation coefficient),
 // written once for the CUDA body (cuda/haar_adam.cu: one thread per block) and for the host, where
-// the tests run it block after block against the reference (tests/test_fused.cpp, KernelRows).
+// the tests run it block after block against the reference (tests/test_fused_kernel_rows.cpp, KernelRows).
 // See src/kernels/kernels.h for the rule.
 
 #include <cmath>

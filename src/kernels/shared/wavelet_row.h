@@ -4,7 +4,7 @@
 // and for the host: `Lanes` says which of the cooperating threads runs the code and how they
 // wait for each other. cuda/wavelet_adam.cu runs these bodies with one thread block per row
 // (`lanes()` = blockDim.x, `sync()` = __syncthreads()); the tests run them on the host with one
-// lane (tests/test_fused.cpp, KernelRows) and with several threads and a barrier
+// lane (tests/test_fused_kernel_rows.cpp, KernelRows) and with several threads and a barrier
 // (tests/test_kernel_lanes.cpp, KernelLanes), which is how the CUDA body's arithmetic, control flow
 // and barriers are checked on a machine without a GPU. The CPU kernel uses the per-coefficient
 // formulas too.
