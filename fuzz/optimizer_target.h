@@ -113,33 +113,50 @@ Snapshot snapshot(const typename T::Optimizer& opt, const std::vector<at::Tensor
   return s;
 }
 
-// One step with every check in the file comment. coeff_bound[i]: a bound on every coefficient
-// parameter i's moments have seen so far.
+// Each parameter's group options (null for one in no group).
 template <typename T>
-void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& params,
-                  std::vector<double>& coeff_bound, const uint8_t* data, size_t size) {
-  const Snapshot before = snapshot<T>(opt, params);
-  // The bound for each parameter with its options at this step.
-  std::vector<Bound> bounds(params.size());
+std::vector<const typename T::Options*> param_options(const typename T::Optimizer& opt,
+                                                      const std::vector<at::Tensor>& params) {
   std::vector<const typename T::Options*> options(params.size(), nullptr);
-  bool grads_finite = true;
   for (size_t g = 0; g < opt.param_groups().size(); ++g)
     for (const auto& p : opt.param_groups()[g].params())
       for (size_t i = 0; i < params.size(); ++i)
         if (p.is_same(params[i])) options[i] = &T::group_options(opt, g);
-  // Non-finite gradients of parameters that skip alone, and whether any other one skips the step.
-  std::vector<bool> skips_alone(params.size(), false);
+  return options;
+}
+
+// Non-finite gradients of parameters that skip alone, and whether any other one skips the step.
+struct NonFinite {
+  std::vector<bool> skips_alone;
   bool skips_step = false;
+  bool grads_finite = true;
+};
+
+template <typename T>
+NonFinite nonfinite_grads(const std::vector<at::Tensor>& params,
+                          const std::vector<const typename T::Options*>& options) {
+  NonFinite out;
+  out.skips_alone.assign(params.size(), false);
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& grad = params[i].grad();
     if (!grad.defined() || grad.is_sparse() || !grad.is_floating_point()) continue;
     if (all_finite(grad)) continue;
-    grads_finite = false;
+    out.grads_finite = false;
     if (options[i] != nullptr && T::skips_alone(*options[i]))
-      skips_alone[i] = true;
+      out.skips_alone[i] = true;
     else
-      skips_step = true;
+      out.skips_step = true;
   }
+  return out;
+}
+
+// The bound for each parameter with its options at this step.
+template <typename T>
+std::vector<Bound> step_bounds(const typename T::Optimizer& opt,
+                               const std::vector<at::Tensor>& params,
+                               const std::vector<const typename T::Options*>& options,
+                               const std::vector<double>& coeff_bound, const Snapshot& before) {
+  std::vector<Bound> bounds(params.size());
   try {
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& grad = params[i].grad();
@@ -152,8 +169,15 @@ void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& par
   } catch (const c10::Error&) {
     // Options the step will reject (unknown wavelet, dim out of range): no bound needed.
   }
+  return bounds;
+}
+
+// Runs the step: whether it threw a c10::Error (its message in `message`); any other exception
+// fails.
+template <typename T>
+bool step_threw(typename T::Optimizer& opt, const std::vector<at::Tensor>& params,
+                std::string& message) {
   bool threw = false;
-  std::string message;
   try {
     opt.step();
   } catch (const c10::Error& e) {
@@ -165,31 +189,19 @@ void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& par
   } catch (...) {
     fail("a non-std exception\n" + T::describe(params, opt));
   }
-  const Snapshot after = snapshot<T>(opt, params);
-  const std::string what = T::describe(params, opt);
-  if (threw) {
-    expect_unchanged(before, after, "after the error '" + message + "'\n" + what);
-    return;
-  }
-  const bool counted = after.counters.front() != before.counters.front();
-  if (counted) GWT_FUZZ_CHECK(after.counters.front() == before.counters.front() + 1, what);
-  bool none_changed = before.states == after.states;
-  for (size_t i = 0; i < params.size(); ++i)
-    none_changed = none_changed && same_param(before.params[i], after.params[i]);
-  if (counted && none_changed) {  // the whole step skipped (or every parameter that had one)
-    GWT_FUZZ_CHECK(std::equal(before.counters.begin() + 1, before.counters.end(),
-                              after.counters.begin() + 1, after.counters.end()),
-                   "after a skipped step\n" + what);
-    if (grads_finite)
-      note("skip-finite-grads", "a step with finite gradients was skipped as non-finite\n" + what,
-           data, size);
-    return;
-  }
-  if (skips_step) fail("a non-finite gradient did not skip the step\n" + what);
-  // What changed is a step, in which parameters of groups that skip alone may have been skipped:
-  // those keep their value and state (a first step's fresh state may be kept, with step 0). Every
-  // one with a non-finite gradient must be; one with finite gradients (its norm overflowed) is a
-  // note, as a whole step so skipped is.
+  return threw;
+}
+
+// After a step that changed something: the parameters of groups that skip alone that were
+// skipped, which keep their value and state (a first step's fresh state may be kept, with step 0).
+// Every one with a non-finite gradient must be; one with finite gradients (its norm overflowed)
+// is a note, as a whole step so skipped is. The step is `counted` as skipped exactly when one was.
+template <typename T>
+std::vector<bool> skipped_alone(const std::vector<at::Tensor>& params,
+                                const std::vector<const typename T::Options*>& options,
+                                const NonFinite& nonfinite, const Snapshot& before,
+                                const Snapshot& after, bool counted, const std::string& what,
+                                const uint8_t* data, size_t size) {
   std::vector<bool> skipped(params.size(), false);
   bool any_skipped = false;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -201,10 +213,10 @@ void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& par
                                   : same_bytes(b.param, a.param) && (!a.has_state || a.step == 0);
     if (alone && kept) {
       skipped[i] = any_skipped = true;
-      if (!skips_alone[i])
+      if (!nonfinite.skips_alone[i])
         note("skip-finite-grads", "a parameter with finite gradients was skipped alone\n" + what,
              data, size);
-    } else if (skips_alone[i]) {
+    } else if (nonfinite.skips_alone[i]) {
       fail("a parameter with a non-finite gradient was not skipped alone\n" + what);
     }
   }
@@ -212,6 +224,17 @@ void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& par
     fail(std::string(counted ? "a step was counted as skipped, but no parameter was"
                              : "a parameter was skipped alone, but the step was not counted") +
          "\n" + what);
+  return skipped;
+}
+
+// The parameters the step took: each with a gradient advanced its step, one without is unchanged,
+// and, with finite inputs within its bound, every result is finite.
+template <typename T>
+void check_stepped(const typename T::Optimizer& opt, const std::vector<at::Tensor>& params,
+                   const std::vector<const typename T::Options*>& options,
+                   const std::vector<Bound>& bounds, const std::vector<bool>& skipped,
+                   const Snapshot& before, const Snapshot& after, std::vector<double>& coeff_bound,
+                   const std::string& what, const uint8_t* data, size_t size) {
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSnapshot& b = before.params[i];
     const ParamSnapshot& a = after.params[i];
@@ -239,6 +262,44 @@ void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& par
       note(T::note_key(opt, params[i], *options[i]),
            "finite but unbounded inputs gave a non-finite parameter or state\n" + what, data, size);
   }
+}
+
+// One step with every check in the file comment. coeff_bound[i]: a bound on every coefficient
+// parameter i's moments have seen so far.
+template <typename T>
+void checked_step(typename T::Optimizer& opt, const std::vector<at::Tensor>& params,
+                  std::vector<double>& coeff_bound, const uint8_t* data, size_t size) {
+  const Snapshot before = snapshot<T>(opt, params);
+  const std::vector<const typename T::Options*> options = param_options<T>(opt, params);
+  const NonFinite nonfinite = nonfinite_grads<T>(params, options);
+  const std::vector<Bound> bounds = step_bounds<T>(opt, params, options, coeff_bound, before);
+  std::string message;
+  const bool threw = step_threw<T>(opt, params, message);
+  const Snapshot after = snapshot<T>(opt, params);
+  const std::string what = T::describe(params, opt);
+  if (threw) {
+    expect_unchanged(before, after, "after the error '" + message + "'\n" + what);
+    return;
+  }
+  const bool counted = after.counters.front() != before.counters.front();
+  if (counted) GWT_FUZZ_CHECK(after.counters.front() == before.counters.front() + 1, what);
+  bool none_changed = before.states == after.states;
+  for (size_t i = 0; i < params.size(); ++i)
+    none_changed = none_changed && same_param(before.params[i], after.params[i]);
+  if (counted && none_changed) {  // the whole step skipped (or every parameter that had one)
+    GWT_FUZZ_CHECK(std::equal(before.counters.begin() + 1, before.counters.end(),
+                              after.counters.begin() + 1, after.counters.end()),
+                   "after a skipped step\n" + what);
+    if (nonfinite.grads_finite)
+      note("skip-finite-grads", "a step with finite gradients was skipped as non-finite\n" + what,
+           data, size);
+    return;
+  }
+  if (nonfinite.skips_step) fail("a non-finite gradient did not skip the step\n" + what);
+  const std::vector<bool> skipped =
+      skipped_alone<T>(params, options, nonfinite, before, after, counted, what, data, size);
+  check_stepped<T>(opt, params, options, bounds, skipped, before, after, coeff_bound, what, data,
+                   size);
 }
 
 // The whole case: the optimizer over drawn parameters and groups, then two checked steps.

@@ -456,6 +456,9 @@ void ShardedWaveletAdam::save_full(const std::string& path) const {
   // rank: no rank but 0 holds more than its own state).
   const char* what = "ShardedWaveletAdam::save_full";
   const int64_t rank = pg_->getRank();
+  // The owned states are read directly below: CUDA shards' step counts and norms first come up
+  // from the device (WaveletAdam keeps them there between steps).
+  if (local_) local_->sync_device_steps();
   auto owned_state = [&](size_t i) -> const WaveletAdamParamState* {
     if (!local_) return nullptr;
     auto it = local_->state().find(params_[i].unsafeGetTensorImpl());

@@ -1,9 +1,9 @@
 #pragma once
 
 /// \file
-/// The kernel seam (internal, not installed): plain structs of pointers, sizes and scalars that the torch-facing layer
-/// (src/optim/wavelet_adam.cpp) fills after validating tensors, and one entry point per body:
-/// src/kernels/*.cpp for the CPU, cuda/*.cu for NVIDIA GPUs. Kernels never see a torch type and
+/// The kernel seam (internal, not installed): plain structs of pointers, sizes and scalars that
+/// the torch-facing layer (src/optim/wavelet_adam_fused.cpp) fills after validating tensors, and
+/// one entry point per body: src/kernels/cpu and avx2 for the CPU, cuda/*.cu for NVIDIA GPUs. Kernels never see a torch type and
 /// never include an optimizer header.
 
 #include <cstdint>

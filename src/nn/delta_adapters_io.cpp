@@ -168,13 +168,208 @@ bool same_options(const DeltaLinearOptions& a, const DeltaLinearOptions& b) {
 // A Linear over the weight and bias tensors of `existing` (shared, not copied).
 torch::nn::Linear base_of(const DeltaLinearImpl& existing) {
   auto linear = std::make_shared<torch::nn::LinearImpl>(
-      torch::nn::LinearOptions(existing.options().in_features(),
-                               existing.options().out_features())
+      torch::nn::LinearOptions(existing.options().in_features(), existing.options().out_features())
           .bias(existing.bias.defined()));
   at::NoGradGuard no_grad;
   linear->weight.set_data(existing.weight);
   if (existing.bias.defined()) linear->bias.set_data(existing.bias);
   return torch::nn::Linear(linear);
+}
+
+using Member = at::Tensor DeltaLinearImpl::*;
+using Modules = torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>;
+
+// A saved adapter read, built and checked: what the load changes of the model, once every adapter
+// is.
+struct Pending {
+  std::string name;
+  torch::nn::Module* parent;
+  std::string child;
+  DeltaLinear adapter;
+  bool in_place;
+  std::vector<std::pair<Member, at::Tensor>> values;  // converted to the adapter's dtypes
+  double scaling;
+};
+
+// The Linear the adapter of layer `name` (`target`) is built over: the layer itself, or the base
+// of the DeltaLinear it is (`existing`).
+torch::nn::Linear base_for(const std::shared_ptr<torch::nn::Module>& target,
+                           const std::shared_ptr<DeltaLinearImpl>& existing,
+                           const std::string& name) {
+  torch::nn::Linear base(nullptr);
+  if (auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(target)) {
+    base = torch::nn::Linear(linear);
+  } else if (existing) {
+    base = base_of(*existing);  // kept, if the layer is replaced
+  } else {
+    TORCH_CHECK(false, k_who, ": layer '", name, "' is a ", target->name(),
+                ", not a torch::nn::Linear or gwt::nn::DeltaLinear");
+  }
+  return base;
+}
+
+// The options an adapter of a layer of `in` inputs and `out` outputs was saved with.
+DeltaLinearOptions read_options(torch::serialize::InputArchive& entry, int64_t in, int64_t out,
+                                const std::string& where) {
+  DeltaLinearOptions o(in, out);
+  o.rank(read_int(entry, "rank", where))
+      .reflections(read_int(entry, "reflections", where))
+      .orthogonal_core(read_bool(entry, "orthogonal_core", where))
+      .alpha(read_double(entry, "alpha", where))
+      .gram_schmidt(read_bool(entry, "gram_schmidt", where))
+      .train_base(read_bool(entry, "train_base", where));
+  return o;
+}
+
+// The trained base saved with an adapter (train_base), added to `values`.
+void read_trained_base(torch::serialize::InputArchive& entry, const torch::nn::Linear& base,
+                       int64_t in, int64_t out, const std::string& name, const std::string& where,
+                       std::vector<std::pair<Member, at::Tensor>>& values) {
+  // Archives written before the trained base was saved with its adapters have none: the
+  // layer's base is left as it is, which is said. A fresh tensor for each look: try_read hands out
+  // the archive's own tensor, and reading into a defined one would set_() that archive tensor (and
+  // every alias of it) in place.
+  auto has = [&](const char* key) {
+    at::Tensor probe;
+    return entry.try_read(key, probe);
+  };
+  if (has("base_weight")) {
+    values.emplace_back(&DeltaLinearImpl::weight,
+                        read_tensor(entry, "base_weight", where, {out, in}));
+    const bool saved_bias = has("base_bias");
+    TORCH_CHECK(saved_bias == base->bias.defined(), k_who, ": ", where, "'s trained base ",
+                saved_bias ? "has" : "has no", " bias but layer '", name, "''s base ",
+                base->bias.defined() ? "has one" : "has none");
+    if (saved_bias)
+      values.emplace_back(&DeltaLinearImpl::bias, read_tensor(entry, "base_bias", where, {out}));
+  } else {
+    TORCH_WARN(k_who, ": ", where,
+               " was trained with its base (train_base) but saved without it; the base of "
+               "layer '",
+               name, "' is left as it is");
+  }
+}
+
+// The tensors an adapter with options `o` over `base` was saved with.
+std::vector<std::pair<Member, at::Tensor>> read_values(torch::serialize::InputArchive& entry,
+                                                       const DeltaLinearOptions& o,
+                                                       const torch::nn::Linear& base,
+                                                       const std::string& name,
+                                                       const std::string& where) {
+  const int64_t in = o.in_features(), out = o.out_features();
+  const int64_t k = o.rank(), r = o.reflections();
+  // Tensors first (shape checks need valid counts; the constructor checks the ranges).
+  TORCH_CHECK(k >= 0 && r >= 0 && k <= std::min(in, out) && r <= in, k_who, ": ", where,
+              " has rank ", k, " and ", r, " reflections, invalid for in ", in, ", out ", out);
+  std::vector<std::pair<Member, at::Tensor>> values;
+  if (k > 0) {
+    values.emplace_back(&DeltaLinearImpl::U, read_tensor(entry, "U", where, {out, k}));
+    values.emplace_back(&DeltaLinearImpl::V, read_tensor(entry, "V", where, {in, k}));
+    if (o.orthogonal_core())
+      values.emplace_back(&DeltaLinearImpl::core, read_tensor(entry, "core", where, {k, k}));
+  }
+  if (r > 0)
+    values.emplace_back(&DeltaLinearImpl::reflections,
+                        read_tensor(entry, "reflection_vectors", where, {in, r}));
+  if (o.train_base()) read_trained_base(entry, base, in, out, name, where, values);
+  return values;
+}
+
+// The reflections must be defined as the forward computes them: a zero vector (with
+// gram_schmidt, one that is zero once the ones before it are projected out) would make every
+// output NaN, one whose norm overflows would be taken for the identity.
+void check_reflections(const std::vector<std::pair<Member, at::Tensor>>& values,
+                       const DeltaLinearOptions& o, const std::string& where) {
+  for (const auto& [member, value] : values) {
+    const bool core = member == &DeltaLinearImpl::core;
+    if (!core && member != &DeltaLinearImpl::reflections) continue;
+    const bool gram_schmidt = !core && o.gram_schmidt();
+    TORCH_CHECK(detail::reflections_defined(value, gram_schmidt), k_who, ": ", where, "'s ",
+                core ? "core" : "reflection",
+                " vectors include one whose reflection cannot "
+                "be computed in ",
+                value.scalar_type(), " (",
+                gram_schmidt ? "zero once the ones before it are projected out" : "a zero vector",
+                ", or one whose norm under- or overflows); the file is corrupt");
+  }
+}
+
+// Reads, builds and checks the archive's adapter `i` for `module` (whose modules are `modules`);
+// changes nothing of the model. `names`: the adapters' names read so far; `frozen`: the bases a
+// new adapter froze, with their requires_grad before; `keep_generators`: the generators it drew
+// from.
+Pending read_adapter(torch::serialize::InputArchive& archive, int64_t i, torch::nn::Module& module,
+                     const Modules& modules, std::unordered_set<std::string>& names,
+                     std::vector<std::pair<at::Tensor, bool>>& frozen,
+                     KeepGeneratorStates& keep_generators) {
+  torch::serialize::InputArchive entry;
+  const std::string key = "adapter_" + std::to_string(i);
+  TORCH_CHECK(archive.try_read(key, entry), k_who, ": ", key, " is missing; the file is corrupt");
+  const auto name_value = read(entry, "name", key);
+  TORCH_CHECK(name_value.isString(), k_who, ": ", key, "'s name is not a string");
+  const std::string name = name_value.toStringRef();
+  const std::string where = "adapter '" + name + "'";
+  TORCH_CHECK(names.insert(name).second, k_who, ": ", where,
+              " appears twice in the archive; the file is corrupt");
+  const int64_t in = read_int(entry, "in_features", where),
+                out = read_int(entry, "out_features", where);
+  TORCH_CHECK(modules.contains(name), k_who, ": the module has no layer '", name,
+              "' for the saved adapter");
+  const auto& target = modules[name];
+  const auto existing = std::dynamic_pointer_cast<DeltaLinearImpl>(target);
+  torch::nn::Linear base = base_for(target, existing, name);
+  TORCH_CHECK(base->weight.dim() == 2 && base->weight.size(0) == out && base->weight.size(1) == in,
+              k_who, ": ", where, " was saved for a layer of weight [", out, ", ", in,
+              "] but layer '", name, "' has weight ", base->weight.sizes());
+  const DeltaLinearOptions o = read_options(entry, in, out, where);
+  const double scaling = read_double(entry, "scaling", where);
+  TORCH_CHECK(std::isfinite(scaling) && scaling >= 0, k_who, ": ", where, "'s scale ", scaling,
+              " is invalid; the file is corrupt");
+  std::vector<std::pair<Member, at::Tensor>> values = read_values(entry, o, base, name, where);
+  const auto dot = name.rfind('.');
+  torch::nn::Module* parent =
+      dot == std::string::npos ? &module : modules[name.substr(0, dot)].get();
+  const bool in_place = existing && same_options(existing->options(), o);
+  if (!in_place && detail::runs_own_list(*parent))
+    detail::refuse_layer_in_container(
+        k_who, name, *parent,
+        "load onto DeltaLinear layers with the saved options there (they take the values in "
+        "place)");
+  DeltaLinear adapter(nullptr);
+  if (in_place) {
+    adapter = DeltaLinear(existing);
+  } else {
+    frozen.emplace_back(base->weight, base->weight.requires_grad());
+    if (base->bias.defined()) frozen.emplace_back(base->bias, base->bias.requires_grad());
+    keep_generators.keep(base->weight.device());
+    adapter = DeltaLinear(base, o);
+  }
+  for (auto& [member, value] : values) {
+    const at::Tensor& t = (*adapter).*member;
+    value = value.to(t.options()).contiguous();
+  }
+  check_reflections(values, o, where);
+  std::string child = dot == std::string::npos ? name : name.substr(dot + 1);
+  return {name, parent, std::move(child), adapter, in_place, std::move(values), scaling};
+}
+
+// Gives each adapter its values (and the model each new adapter); returns them.
+std::vector<std::pair<std::string, DeltaLinear>> commit(std::vector<Pending>& pending) {
+  std::vector<std::pair<std::string, DeltaLinear>> loaded;
+  for (auto& p : pending) {
+    {
+      at::NoGradGuard no_grad;
+      for (auto& [member, value] : p.values) {
+        at::Tensor& t = (*p.adapter).*member;
+        t.copy_(value);
+        t.mutable_grad() = at::Tensor();  // a gradient of the values it held is stale
+      }
+    }
+    DeltaLinearAccess::set_loaded(*p.adapter, p.scaling);
+    if (!p.in_place) p.parent->replace_module(p.child, p.adapter.ptr());
+    loaded.emplace_back(p.name, p.adapter);
+  }
+  return loaded;
 }
 
 }  // namespace
@@ -194,16 +389,6 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
   // parameters keep their identity, so an optimizer over the model keeps working, and a container
   // that runs its own list of modules runs it); any other layer is replaced by a new DeltaLinear
   // over its base.
-  using Member = at::Tensor DeltaLinearImpl::*;
-  struct Pending {
-    std::string name;
-    torch::nn::Module* parent;
-    std::string child;
-    DeltaLinear adapter;
-    bool in_place;
-    std::vector<std::pair<Member, at::Tensor>> values;  // converted to the adapter's dtypes
-    double scaling;
-  };
   std::vector<Pending> pending;
   // Building an adapter freezes its base: on any error every base gets its requires_grad back (in
   // reverse order, so that a base two entries share gets the value it had before the first).
@@ -211,145 +396,13 @@ std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(
   std::unordered_set<std::string> names;
   KeepGeneratorStates keep_generators;
   try {
-    for (const auto i : c10::irange(count)) {
-      torch::serialize::InputArchive entry;
-      const std::string key = "adapter_" + std::to_string(i);
-      TORCH_CHECK(archive.try_read(key, entry), k_who, ": ", key,
-                  " is missing; the file is corrupt");
-      const auto name_value = read(entry, "name", key);
-      TORCH_CHECK(name_value.isString(), k_who, ": ", key, "'s name is not a string");
-      const std::string name = name_value.toStringRef();
-      const std::string where = "adapter '" + name + "'";
-      TORCH_CHECK(names.insert(name).second, k_who, ": ", where,
-                  " appears twice in the archive; the file is corrupt");
-      const int64_t in = read_int(entry, "in_features", where),
-                    out = read_int(entry, "out_features", where);
-      TORCH_CHECK(modules.contains(name), k_who, ": the module has no layer '", name,
-                  "' for the saved adapter");
-      const auto& target = modules[name];
-      const auto existing = std::dynamic_pointer_cast<DeltaLinearImpl>(target);
-      torch::nn::Linear base(nullptr);
-      if (auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(target)) {
-        base = torch::nn::Linear(linear);
-      } else if (existing) {
-        base = base_of(*existing);  // kept, if the layer is replaced
-      } else {
-        TORCH_CHECK(false, k_who, ": layer '", name, "' is a ", target->name(),
-                    ", not a torch::nn::Linear or gwt::nn::DeltaLinear");
-      }
-      TORCH_CHECK(
-          base->weight.dim() == 2 && base->weight.size(0) == out && base->weight.size(1) == in,
-          k_who, ": ", where, " was saved for a layer of weight [", out, ", ", in, "] but layer '",
-          name, "' has weight ", base->weight.sizes());
-      DeltaLinearOptions o(in, out);
-      o.rank(read_int(entry, "rank", where))
-          .reflections(read_int(entry, "reflections", where))
-          .orthogonal_core(read_bool(entry, "orthogonal_core", where))
-          .alpha(read_double(entry, "alpha", where))
-          .gram_schmidt(read_bool(entry, "gram_schmidt", where))
-          .train_base(read_bool(entry, "train_base", where));
-      const double scaling = read_double(entry, "scaling", where);
-      TORCH_CHECK(std::isfinite(scaling) && scaling >= 0, k_who, ": ", where, "'s scale ", scaling,
-                  " is invalid; the file is corrupt");
-      const int64_t k = o.rank(), r = o.reflections();
-      // Tensors first (shape checks need valid counts; the constructor checks the ranges).
-      TORCH_CHECK(k >= 0 && r >= 0 && k <= std::min(in, out) && r <= in, k_who, ": ", where,
-                  " has rank ", k, " and ", r, " reflections, invalid for in ", in, ", out ", out);
-      std::vector<std::pair<Member, at::Tensor>> values;
-      if (k > 0) {
-        values.emplace_back(&DeltaLinearImpl::U, read_tensor(entry, "U", where, {out, k}));
-        values.emplace_back(&DeltaLinearImpl::V, read_tensor(entry, "V", where, {in, k}));
-        if (o.orthogonal_core())
-          values.emplace_back(&DeltaLinearImpl::core, read_tensor(entry, "core", where, {k, k}));
-      }
-      if (r > 0)
-        values.emplace_back(&DeltaLinearImpl::reflections,
-                            read_tensor(entry, "reflection_vectors", where, {in, r}));
-      if (o.train_base()) {
-        // Archives written before the trained base was saved with its adapters have none: the
-        // layer's base is left as it is, which is said. A fresh tensor for each look: try_read hands out the archive's own tensor, and reading
-        // into a defined one would set_() that archive tensor (and every alias of it) in place.
-        auto has = [&](const char* key) {
-          at::Tensor probe;
-          return entry.try_read(key, probe);
-        };
-        if (has("base_weight")) {
-          values.emplace_back(&DeltaLinearImpl::weight,
-                              read_tensor(entry, "base_weight", where, {out, in}));
-          const bool saved_bias = has("base_bias");
-          TORCH_CHECK(saved_bias == base->bias.defined(), k_who, ": ", where, "'s trained base ",
-                      saved_bias ? "has" : "has no", " bias but layer '", name, "''s base ",
-                      base->bias.defined() ? "has one" : "has none");
-          if (saved_bias)
-            values.emplace_back(&DeltaLinearImpl::bias,
-                                read_tensor(entry, "base_bias", where, {out}));
-        } else {
-          TORCH_WARN(k_who, ": ", where,
-                     " was trained with its base (train_base) but saved without it; the base of "
-                     "layer '",
-                     name, "' is left as it is");
-        }
-      }
-      const auto dot = name.rfind('.');
-      torch::nn::Module* parent =
-          dot == std::string::npos ? &module : modules[name.substr(0, dot)].get();
-      const bool in_place = existing && same_options(existing->options(), o);
-      if (!in_place && detail::runs_own_list(*parent))
-        detail::refuse_layer_in_container(
-            k_who, name, *parent,
-            "load onto DeltaLinear layers with the saved options there (they take the values in "
-            "place)");
-      DeltaLinear adapter(nullptr);
-      if (in_place) {
-        adapter = DeltaLinear(existing);
-      } else {
-        frozen.emplace_back(base->weight, base->weight.requires_grad());
-        if (base->bias.defined()) frozen.emplace_back(base->bias, base->bias.requires_grad());
-        keep_generators.keep(base->weight.device());
-        adapter = DeltaLinear(base, o);
-      }
-      for (auto& [member, value] : values) {
-        const at::Tensor& t = (*adapter).*member;
-        value = value.to(t.options()).contiguous();
-      }
-      // The reflections must be defined as the forward computes them: a zero vector (with
-      // gram_schmidt, one that is zero once the ones before it are projected out) would make every
-      // output NaN, one whose norm overflows would be taken for the identity.
-      for (const auto& [member, value] : values) {
-        const bool core = member == &DeltaLinearImpl::core;
-        if (!core && member != &DeltaLinearImpl::reflections) continue;
-        const bool gram_schmidt = !core && o.gram_schmidt();
-        TORCH_CHECK(
-            detail::reflections_defined(value, gram_schmidt), k_who, ": ", where, "'s ",
-            core ? "core" : "reflection",
-            " vectors include one whose reflection cannot "
-            "be computed in ",
-            value.scalar_type(), " (",
-            gram_schmidt ? "zero once the ones before it are projected out" : "a zero vector",
-            ", or one whose norm under- or overflows); the file is corrupt");
-      }
-      pending.push_back({name, parent, dot == std::string::npos ? name : name.substr(dot + 1),
-                         adapter, in_place, std::move(values), scaling});
-    }
+    for (const auto i : c10::irange(count))
+      pending.push_back(read_adapter(archive, i, module, modules, names, frozen, keep_generators));
   } catch (...) {
     for (auto it = frozen.rbegin(); it != frozen.rend(); ++it) it->first.requires_grad_(it->second);
     throw;
   }
-  std::vector<std::pair<std::string, DeltaLinear>> loaded;
-  for (auto& p : pending) {
-    {
-      at::NoGradGuard no_grad;
-      for (auto& [member, value] : p.values) {
-        at::Tensor& t = (*p.adapter).*member;
-        t.copy_(value);
-        t.mutable_grad() = at::Tensor();  // a gradient of the values it held is stale
-      }
-    }
-    DeltaLinearAccess::set_loaded(*p.adapter, p.scaling);
-    if (!p.in_place) p.parent->replace_module(p.child, p.adapter.ptr());
-    loaded.emplace_back(p.name, p.adapter);
-  }
-  return loaded;
+  return commit(pending);
 }
 
 std::vector<std::pair<std::string, DeltaLinear>> load_delta_adapters(

@@ -1,6 +1,7 @@
 #pragma once
 
-// What delta_linear.cpp and delta_adapters_io.cpp share beyond the public header.
+// What delta_linear.cpp, delta_adapters.cpp and delta_adapters_io.cpp share beyond the public
+// header.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>

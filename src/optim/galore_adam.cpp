@@ -290,6 +290,129 @@ at::Tensor coordinate_projector(const at::Tensor& param, const Plan& plan, at::S
                     : at::eye(param.size(0), plan.rank, options);
 }
 
+// A parameter's step, checked.
+struct Work {
+  at::Tensor param;
+  const GaLoreAdamOptions* options;
+  Plan plan;
+};
+
+// Checks everything a caller can get wrong (options, parameters, gradients, the state they meet)
+// and lists the parameters with a gradient, with what the finite check reads of each gradient in
+// `grads`. Reads only; `State` is the optimizer's state map.
+template <typename State>
+std::vector<Work> checked_work(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                               const State& states, std::vector<at::Tensor>& grads) {
+  std::vector<Work> work;
+  for (const auto& group : groups) {
+    const GaLoreAdamOptions& options = options_of(group);
+    validate_options(options);
+    for (const auto& param : group.params()) {
+      optim_detail::check_param(k_who, param);
+      if (!param.grad().defined()) continue;
+      optim_detail::check_grad(k_who, param, param.grad());
+      Plan plan = plan_for(param, options);
+      auto it = states.find(param.unsafeGetTensorImpl());
+      check_options_fit(
+          param, options,
+          (it == states.end() ? 0 : static_cast<const GaLoreAdamParamState&>(*it->second).step()) +
+              1);
+      if (it != states.end()) {
+        const auto& state = static_cast<const GaLoreAdamParamState&>(*it->second);
+        check_state(state, param, plan);
+        check_placement(state, param, plan);
+      }
+      work.push_back({param, &options, std::move(plan)});
+      grads.push_back(optim_detail::grad_for_finite_check(param, param.grad()));
+    }
+  }
+  return work;
+}
+
+struct Projection {
+  at::Tensor projector, projected;
+  bool fallback = false;
+};
+
+// Projection of every projected gradient, before anything changes: a finite gradient can still
+// project to infinity in float32 (values near the top of the range), and such a step is skipped
+// like a non-finite gradient. New projectors are committed only with the step. Every projection
+// is in `projected_all` too.
+template <typename State>
+std::vector<Projection> projections_of(const std::vector<Work>& work, const State& states,
+                                       std::vector<at::Tensor>& projected_all) {
+  std::vector<Projection> projections(work.size());
+  for (const auto k : c10::irange(work.size())) {
+    const auto& w = work[k];
+    if (!w.plan.projected) continue;
+    const GaLoreAdamOptions& o = *w.options;
+    const at::ScalarType dtype = optim_detail::compute_dtype(w.param);
+    const at::Tensor grad = w.param.grad().to(dtype);
+    auto it = states.find(w.param.unsafeGetTensorImpl());
+    const GaLoreAdamParamState* state =
+        it == states.end() ? nullptr : static_cast<const GaLoreAdamParamState*>(it->second.get());
+    const int64_t iteration =
+        state == nullptr ? 0 : state->step();  // refresh at 0, gap, 2 gap, ...
+    Projection& pr = projections[k];
+    if (state != nullptr && state->projector().defined()) pr.projector = state->projector();
+    if (!pr.projector.defined() || iteration % o.update_proj_gap() == 0) {
+      if (auto fresh = fresh_projector(grad, o, w.plan, iteration)) {
+        pr.projector = fresh->to(dtype);
+      } else {
+        pr.fallback = true;
+        if (!pr.projector.defined()) pr.projector = coordinate_projector(w.param, w.plan, dtype);
+      }
+    }
+    // m >= n (std): R = G Vr^T; otherwise R = Ur^T G.
+    pr.projected =
+        w.plan.right ? at::matmul(grad, pr.projector.t()) : at::matmul(pr.projector.t(), grad);
+    projected_all.push_back(pr.projected);
+  }
+  return projections;
+}
+
+// One parameter's update, with its projection `pr` where it is projected (counted in
+// `svd_fallbacks` when its SVD failed); a first step creates its state.
+template <typename State>
+void update_param(const Work& w, const Projection& pr, State& states, int64_t& svd_fallbacks) {
+  const GaLoreAdamOptions& o = *w.options;
+  const at::ScalarType dtype = optim_detail::compute_dtype(w.param);
+  auto& slot = states[w.param.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto fresh = std::make_unique<GaLoreAdamParamState>();
+    fresh->exp_avg(at::zeros(w.plan.state_shape, w.param.options().dtype(dtype)));
+    fresh->exp_avg_sq(at::zeros(w.plan.state_shape, w.param.options().dtype(dtype)));
+    fresh->right(w.plan.right);
+    slot = std::move(fresh);
+  }
+  auto& state = static_cast<GaLoreAdamParamState&>(*slot);
+  state.step(state.step() + 1);
+  const double step_size =
+      optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), state.step());
+  const auto [beta1, beta2] = o.betas();
+  at::Tensor param = w.param.scalar_type() == dtype ? w.param : w.param.to(dtype);
+
+  if (!w.plan.projected) {
+    const at::Tensor grad = w.param.grad().to(dtype);
+    state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
+    state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+    param.addcdiv_(state.exp_avg(), state.exp_avg_sq().sqrt().add_(o.eps()), -step_size);
+  } else {
+    if (pr.fallback) ++svd_fallbacks;
+    state.projector(pr.projector);
+    state.right(w.plan.right);
+    state.exp_avg().mul_(beta1).add_(pr.projected, 1 - beta1);
+    state.exp_avg_sq().mul_(beta2).addcmul_(pr.projected, pr.projected, 1 - beta2);
+    const at::Tensor normalized = state.exp_avg() / state.exp_avg_sq().sqrt().add_(o.eps());
+    // Back: N Vr (right) or Ur N (left), times scale.
+    const at::Tensor back =
+        w.plan.right ? at::matmul(normalized, pr.projector) : at::matmul(pr.projector, normalized);
+    param.add_(back, -step_size * o.scale());
+  }
+  if (o.weight_decay() != 0) param.add_(param, -o.lr() * o.weight_decay());
+  if (!param.is_same(w.param)) w.param.copy_(param);
+}
+
 }  // namespace
 
 namespace detail {
@@ -360,122 +483,22 @@ at::Tensor GaLoreAdam::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  struct Work {
-    at::Tensor param;
-    const GaLoreAdamOptions* options;
-    Plan plan;
-  };
   // Check everything first; nothing changes before the updates below.
-  std::vector<Work> work;
   std::vector<at::Tensor> grads;
-  for (const auto& group : param_groups()) {
-    const GaLoreAdamOptions& options = options_of(group);
-    validate_options(options);
-    for (const auto& param : group.params()) {
-      optim_detail::check_param(k_who, param);
-      if (!param.grad().defined()) continue;
-      optim_detail::check_grad(k_who, param, param.grad());
-      Plan plan = plan_for(param, options);
-      auto it = state_.find(param.unsafeGetTensorImpl());
-      check_options_fit(
-          param, options,
-          (it == state_.end() ? 0 : static_cast<const GaLoreAdamParamState&>(*it->second).step()) +
-              1);
-      if (it != state_.end()) {
-        const auto& state = static_cast<const GaLoreAdamParamState&>(*it->second);
-        check_state(state, param, plan);
-        check_placement(state, param, plan);
-      }
-      work.push_back({param, &options, std::move(plan)});
-      grads.push_back(optim_detail::grad_for_finite_check(param, param.grad()));
-    }
-  }
+  const std::vector<Work> work = checked_work(param_groups(), state_, grads);
   if (work.empty()) return loss;
   if (!optim_detail::all_finite(grads)) {
     ++skipped_steps_;
     return loss;
   }
-
-  // Projection of every projected gradient, before anything changes: a finite gradient can still
-  // project to infinity in float32 (values near the top of the range), and such a step is skipped
-  // like a non-finite gradient. New projectors are committed only with the step.
-  struct Projection {
-    at::Tensor projector, projected;
-    bool fallback = false;
-  };
-  std::vector<Projection> projections(work.size());
   std::vector<at::Tensor> projected_all;
-  for (const auto k : c10::irange(work.size())) {
-    const auto& w = work[k];
-    if (!w.plan.projected) continue;
-    const GaLoreAdamOptions& o = *w.options;
-    const at::ScalarType dtype = optim_detail::compute_dtype(w.param);
-    const at::Tensor grad = w.param.grad().to(dtype);
-    auto it = state_.find(w.param.unsafeGetTensorImpl());
-    const GaLoreAdamParamState* state =
-        it == state_.end() ? nullptr : static_cast<const GaLoreAdamParamState*>(it->second.get());
-    const int64_t iteration =
-        state == nullptr ? 0 : state->step();  // refresh at 0, gap, 2 gap, ...
-    Projection& pr = projections[k];
-    if (state != nullptr && state->projector().defined()) pr.projector = state->projector();
-    if (!pr.projector.defined() || iteration % o.update_proj_gap() == 0) {
-      if (auto fresh = fresh_projector(grad, o, w.plan, iteration)) {
-        pr.projector = fresh->to(dtype);
-      } else {
-        pr.fallback = true;
-        if (!pr.projector.defined()) pr.projector = coordinate_projector(w.param, w.plan, dtype);
-      }
-    }
-    // m >= n (std): R = G Vr^T; otherwise R = Ur^T G.
-    pr.projected =
-        w.plan.right ? at::matmul(grad, pr.projector.t()) : at::matmul(pr.projector.t(), grad);
-    projected_all.push_back(pr.projected);
-  }
+  const std::vector<Projection> projections = projections_of(work, state_, projected_all);
   if (!projected_all.empty() && !optim_detail::all_finite(projected_all)) {
     ++skipped_steps_;
     return loss;
   }
-
-  for (const auto k : c10::irange(work.size())) {
-    const auto& w = work[k];
-    const GaLoreAdamOptions& o = *w.options;
-    const at::ScalarType dtype = optim_detail::compute_dtype(w.param);
-    auto& slot = state_[w.param.unsafeGetTensorImpl()];
-    if (!slot) {
-      auto fresh = std::make_unique<GaLoreAdamParamState>();
-      fresh->exp_avg(at::zeros(w.plan.state_shape, w.param.options().dtype(dtype)));
-      fresh->exp_avg_sq(at::zeros(w.plan.state_shape, w.param.options().dtype(dtype)));
-      fresh->right(w.plan.right);
-      slot = std::move(fresh);
-    }
-    auto& state = static_cast<GaLoreAdamParamState&>(*slot);
-    state.step(state.step() + 1);
-    const double step_size =
-        optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), state.step());
-    const auto [beta1, beta2] = o.betas();
-    at::Tensor param = w.param.scalar_type() == dtype ? w.param : w.param.to(dtype);
-
-    if (!w.plan.projected) {
-      const at::Tensor grad = w.param.grad().to(dtype);
-      state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
-      state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-      param.addcdiv_(state.exp_avg(), state.exp_avg_sq().sqrt().add_(o.eps()), -step_size);
-    } else {
-      const Projection& pr = projections[k];
-      if (pr.fallback) ++svd_fallbacks_;
-      state.projector(pr.projector);
-      state.right(w.plan.right);
-      state.exp_avg().mul_(beta1).add_(pr.projected, 1 - beta1);
-      state.exp_avg_sq().mul_(beta2).addcmul_(pr.projected, pr.projected, 1 - beta2);
-      const at::Tensor normalized = state.exp_avg() / state.exp_avg_sq().sqrt().add_(o.eps());
-      // Back: N Vr (right) or Ur N (left), times scale.
-      const at::Tensor back = w.plan.right ? at::matmul(normalized, pr.projector)
-                                           : at::matmul(pr.projector, normalized);
-      param.add_(back, -step_size * o.scale());
-    }
-    if (o.weight_decay() != 0) param.add_(param, -o.lr() * o.weight_decay());
-    if (!param.is_same(w.param)) w.param.copy_(param);
-  }
+  for (const auto k : c10::irange(work.size()))
+    update_param(work[k], projections[k], state_, svd_fallbacks_);
   return loss;
 }
 

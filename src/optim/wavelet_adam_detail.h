@@ -1,7 +1,8 @@
 #pragma once
 
-// Internal to gwt::WaveletAdam (not installed): how a parameter's step is planned, shared by the
-// step (wavelet_adam.cpp) and load (wavelet_adam_serialize.cpp).
+// Internal to gwt::WaveletAdam (not installed): how a parameter's step is planned
+// (wavelet_adam_plan.cpp), shared by the step (wavelet_adam.cpp) and load
+// (wavelet_adam_serialize.cpp).
 
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
