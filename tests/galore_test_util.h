@@ -59,11 +59,7 @@ inline std::vector<at::Tensor> snapshot(GaLoreAdam& opt, const std::vector<at::T
 
 inline void expect_same(const std::vector<at::Tensor>& got,
                         const std::vector<at::Tensor>& expected) {
-  ASSERT_EQ(got.size(), expected.size());
-  for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_TRUE(got[i].scalar_type() == expected[i].scalar_type() &&
-                got[i].sizes() == expected[i].sizes() && at::equal(got[i], expected[i]))
-        << "snapshot entry " << i << " changed";
+  gwt_test::expect_same_tensors(got, expected);
 }
 
 inline std::string saved(const GaLoreAdam& opt) {

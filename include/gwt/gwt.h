@@ -8,6 +8,7 @@
 #include "gwt/nn/delta_linear.h"
 #include "gwt/nn/low_rank_linear.h"
 #include "gwt/nn/rank_schedule.h"
+#include "gwt/optim/foam_adam.h"
 #include "gwt/optim/galore_adam.h"
 #include "gwt/optim/param_groups.h"
 #include "gwt/optim/wavelet_adam.h"

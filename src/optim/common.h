@@ -29,6 +29,15 @@ inline c10::IValue read_value(torch::serialize::InputArchive& archive, const std
   return value;
 }
 
+/// Reads a saved tensor or fails naming it. Into a fresh tensor each time: InputArchive::read into
+/// a defined tensor overwrites that tensor in place.
+inline at::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key,
+                              const char* what) {
+  at::Tensor tensor;
+  TORCH_CHECK(archive.try_read(key, tensor), "gwt: ", what, " has no ", key);
+  return tensor;
+}
+
 /// The Adam hyper-parameters every gwt optimizer shares.
 inline void check_adam_options(const char* who, double lr, std::tuple<double, double> betas,
                                double eps, double weight_decay) {

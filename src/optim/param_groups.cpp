@@ -45,21 +45,39 @@ std::vector<ParamAssignment> assign_param_groups(const torch::nn::Module& module
   return out;
 }
 
-std::vector<torch::optim::OptimizerParamGroup> paper_param_groups(const torch::nn::Module& module,
-                                                                  const WaveletAdamOptions& options,
-                                                                  const ParamGroupRules& rules) {
+namespace {
+
+// The wavelet (or folded) group with `options`, then the dense group with level 0; empty groups
+// left out.
+template <typename Options>
+std::vector<torch::optim::OptimizerParamGroup> two_groups(const torch::nn::Module& module,
+                                                          const Options& options,
+                                                          const ParamGroupRules& rules) {
   std::vector<at::Tensor> wavelet, dense;
   for (const auto& a : assign_param_groups(module, rules))
     (a.wavelet ? wavelet : dense).push_back(a.param);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  if (!wavelet.empty())
-    groups.emplace_back(std::move(wavelet), std::make_unique<WaveletAdamOptions>(options));
+  if (!wavelet.empty()) groups.emplace_back(std::move(wavelet), std::make_unique<Options>(options));
   if (!dense.empty()) {
-    auto dense_options = std::make_unique<WaveletAdamOptions>(options);
+    auto dense_options = std::make_unique<Options>(options);
     dense_options->level(0);
     groups.emplace_back(std::move(dense), std::move(dense_options));
   }
   return groups;
+}
+
+}  // namespace
+
+std::vector<torch::optim::OptimizerParamGroup> paper_param_groups(const torch::nn::Module& module,
+                                                                  const WaveletAdamOptions& options,
+                                                                  const ParamGroupRules& rules) {
+  return two_groups(module, options, rules);
+}
+
+std::vector<torch::optim::OptimizerParamGroup> foam_param_groups(const torch::nn::Module& module,
+                                                                 const FoamAdamOptions& options,
+                                                                 const ParamGroupRules& rules) {
+  return two_groups(module, options, rules);
 }
 
 }  // namespace gwt

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "gwt/optim/foam_adam.h"
 #include "gwt/optim/wavelet_adam.h"
 
 namespace gwt {
@@ -42,6 +43,13 @@ std::vector<ParamAssignment> assign_param_groups(const torch::nn::Module& module
 /// group with `options` and level 0. Empty groups are left out.
 std::vector<torch::optim::OptimizerParamGroup> paper_param_groups(
     const torch::nn::Module& module, const WaveletAdamOptions& options = {},
+    const ParamGroupRules& rules = {});
+
+/// The same two groups for gwt::FoamAdam (the authors' FOAM groups the same way: linear layers'
+/// weights folded, except the head; everything else dense): first the folded group with `options`,
+/// then the dense group with `options` and level 0. Empty groups are left out.
+std::vector<torch::optim::OptimizerParamGroup> foam_param_groups(
+    const torch::nn::Module& module, const FoamAdamOptions& options = {},
     const ParamGroupRules& rules = {});
 
 }  // namespace gwt
