@@ -27,8 +27,9 @@ if _C._torch_version != torch.__version__:
         "rebuild it in this environment with `pip install --no-build-isolation ./python`")
 
 from . import nn
-from .optim import GaLoreAdam, WaveletAdam
-from .param_groups import HEAD_NAMES, ParamAssignment, assign_param_groups, paper_param_groups
+from .optim import FoamAdam, GaLoreAdam, WaveletAdam
+from .param_groups import (HEAD_NAMES, ParamAssignment, assign_param_groups, foam_param_groups,
+                           paper_param_groups)
 from .transform import (dwt, dwt_max_level, idwt, modes, threshold, wavedec, wavedec2,
                         wavelet_filters, wavelets, waverec, waverec2)
 
@@ -38,7 +39,9 @@ __all__ = [
     "nn",
     "WaveletAdam",
     "GaLoreAdam",
+    "FoamAdam",
     "paper_param_groups",
+    "foam_param_groups",
     "assign_param_groups",
     "ParamAssignment",
     "HEAD_NAMES",

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from . import _C
 from ._checks import OPTIMIZER_HINT, check_plain, is_plain
 
-__all__ = ["WaveletAdam", "GaLoreAdam"]
+__all__ = ["WaveletAdam", "GaLoreAdam", "FoamAdam"]
 
 
 class _Keep:
@@ -264,7 +264,19 @@ class _CppOptimizer(Optimizer):
         return self._counters["skipped_steps"]
 
 
-class WaveletAdam(_CppOptimizer):
+class _SkipsPerParam(_CppOptimizer):
+    """Optimizers with ``nonfinite="skip_param"``: a parameter skipped alone counts in its state."""
+
+    def skipped_steps(self, param: Optional[torch.Tensor] = None) -> int:
+        """Steps skipped because a gradient was not finite (with "skip_param" groups: steps in
+        which at least one parameter was skipped); with ``param``, the steps it skipped alone."""
+        if param is None:
+            return super().skipped_steps()
+        entry = self.state.get(param)
+        return int(entry.get("skipped", 0)) if entry else 0
+
+
+class WaveletAdam(_SkipsPerParam):
     r"""Adam with its moments kept only on the wavelet approximation subband of each eligible
     gradient (GWT, arXiv 2501.07237): gwt's C++ ``gwt::WaveletAdam``. It takes the place of
     ``torch.optim.AdamW`` in a training loop (param groups, ``state_dict``, LR schedulers), but its
@@ -342,14 +354,6 @@ class WaveletAdam(_CppOptimizer):
             min_size=min_size, nonfinite=nonfinite)
         super().__init__(params, defaults)
 
-    def skipped_steps(self, param: Optional[torch.Tensor] = None) -> int:
-        """Steps skipped because a gradient was not finite (with "skip_param" groups: steps in
-        which at least one parameter was skipped); with ``param``, the steps it skipped alone."""
-        if param is None:
-            return super().skipped_steps()
-        entry = self.state.get(param)
-        return int(entry.get("skipped", 0)) if entry else 0
-
     def is_wavelet_param(self, param: torch.Tensor) -> bool:
         """Whether ``param`` takes the wavelet path under its group's options."""
         return _C.wavelet_adam_param_info(self.param_groups, param)[0]
@@ -415,3 +419,55 @@ class GaLoreAdam(_CppOptimizer):
     def is_projected_param(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is projected under its group's options."""
         return _C.galore_adam_param_info(self.param_groups, param)
+
+
+class FoamAdam(_SkipsPerParam):
+    r"""Adam with its moments kept on block means of each gradient (FOAM, arXiv 2512.07112, the
+    GWT authors' successor): gwt's C++ ``gwt::FoamAdam``. Along ``dim``, each block of
+    ``2**level`` gradient values shares one first moment (of their mean) and one second moment (of
+    the mean of their squares); the residual of each value about its block's mean enters both
+    (``res_scale`` and its square). Every parameter of a group with ``level > 0`` is folded (a 1-D
+    bias too, as the authors do; ``min_size`` keeps small ones dense); a ``level=0`` group is dense
+    Adam. :func:`gwt.foam_param_groups` builds the authors' groups. The rule:
+    docs/algorithm.md#foam.
+
+    Args: ``lr``, ``betas``, ``weight_decay``, ``correct_bias``, ``dim``, ``state_dtype``,
+    ``nonfinite``, ``min_size`` as WaveletAdam; ``eps`` (default 1e-8, as the authors), ``level``
+    (blocks of ``2**level``; 0: dense), ``scale`` (multiplies the folded update; the authors use
+    0.25), ``res_scale`` (rho), ``fused`` (reserved: no fused kernels yet, every parameter takes
+    the readable ATen path).
+
+    State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (one value per block for folded
+    parameters), ``skipped``.
+    """
+
+    _prefix = "foam_adam"
+    _counter_names = ("skipped_steps",)
+    _state_tensors = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        level: int = 2,
+        scale: float = 1.0,
+        res_scale: float = 1.0,
+        correct_bias: bool = True,
+        dim: int = -1,
+        fused: bool = True,
+        state_dtype: str = "auto",
+        nonfinite: str = "skip_step",
+        min_size: int = 0,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, level=level, scale=scale,
+            res_scale=res_scale, correct_bias=correct_bias, dim=dim, fused=fused,
+            state_dtype=state_dtype, nonfinite=nonfinite, min_size=min_size)
+        super().__init__(params, defaults)
+
+    def is_folded_param(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` takes the folded path under its group's options."""
+        return _C.foam_adam_param_info(self.param_groups, param)

@@ -7,7 +7,8 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["HEAD_NAMES", "ParamAssignment", "assign_param_groups", "paper_param_groups"]
+__all__ = ["HEAD_NAMES", "ParamAssignment", "assign_param_groups", "paper_param_groups",
+           "foam_param_groups"]
 
 #: Names of output-head linear layers kept dense (the last component of the module's name).
 HEAD_NAMES = ("lm_head", "head", "output", "classifier")
@@ -87,3 +88,19 @@ def paper_param_groups(
     if dense:
         groups.append({"params": dense, **options, "level": 0})
     return groups
+
+
+def foam_param_groups(
+    model: torch.nn.Module,
+    head_names: Sequence[str] = HEAD_NAMES,
+    force_dense: Sequence[str] = (),
+    force_wavelet: Sequence[str] = (),
+    **options: Any,
+) -> List[Dict[str, Any]]:
+    """The FOAM authors' groups for :class:`gwt.FoamAdam`, the same rule as
+    :func:`paper_param_groups`: linear layers' weights folded (not the head), everything else in
+    a ``level=0`` (dense) group::
+
+        opt = gwt.FoamAdam(gwt.foam_param_groups(model), lr=3e-3, scale=0.25)
+    """
+    return paper_param_groups(model, head_names, force_dense, force_wavelet, **options)

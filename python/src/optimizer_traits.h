@@ -9,10 +9,12 @@
 #include <string>
 
 #include "binding.h"
+#include "gwt/optim/foam_adam.h"
 #include "gwt/optim/galore_adam.h"
 #include "gwt/optim/wavelet_adam.h"
 // Internal (not installed): the optimizers' own checks of a loaded state, which load_state applies
 // to a Python state_dict's tensors where they are.
+#include "optim/foam_adam_detail.h"
 #include "optim/galore_adam_detail.h"
 #include "optim/wavelet_adam_detail.h"
 
@@ -212,6 +214,76 @@ struct GaLoreAdamTraits {
   }
 
   static constexpr const char* k_who = "gwt.GaLoreAdam.load_state_dict";
+};
+
+struct FoamAdamTraits {
+  using Optimizer = gwt::FoamAdam;
+  using Options = gwt::FoamAdamOptions;
+  using State = gwt::FoamAdamParamState;
+
+  static Options options_from(const py::dict& g) {
+    Options o;
+    o.lr(option<double>(g, "lr", "a float"))
+        .betas(betas_option(g))
+        .eps(option<double>(g, "eps", "a float"))
+        .weight_decay(option<double>(g, "weight_decay", "a float"))
+        .level(option<int64_t>(g, "level", "an int"))
+        .scale(option<double>(g, "scale", "a float"))
+        .res_scale(option<double>(g, "res_scale", "a float"))
+        .correct_bias(option<bool>(g, "correct_bias", "a bool"))
+        .dim(option<int64_t>(g, "dim", "an int"))
+        .fused(option<bool>(g, "fused", "a bool"))
+        .state_dtype(option<std::string>(g, "state_dtype", "a str"))
+        .nonfinite(option<std::string>(g, "nonfinite", "a str"))
+        .min_size(option<int64_t>(g, "min_size", "an int"));
+    return o;
+  }
+
+  static void options_to(const Options& o, py::dict& g) {
+    g["lr"] = o.lr();
+    g["betas"] = py::make_tuple(std::get<0>(o.betas()), std::get<1>(o.betas()));
+    g["eps"] = o.eps();
+    g["weight_decay"] = o.weight_decay();
+    g["level"] = o.level();
+    g["scale"] = o.scale();
+    g["res_scale"] = o.res_scale();
+    g["correct_bias"] = o.correct_bias();
+    g["dim"] = o.dim();
+    g["fused"] = o.fused();
+    g["state_dtype"] = o.state_dtype();
+    g["nonfinite"] = o.nonfinite();
+    g["min_size"] = o.min_size();
+  }
+
+  static std::unique_ptr<State> state_from(const py::dict& d) {
+    auto s = adam_state_from<State>(d);
+    if (d.contains("skipped")) s->skipped(int_value(d["skipped"], "state 'skipped'"));
+    return s;
+  }
+
+  static void state_to(const State& s, py::dict& d) {
+    adam_state_to(s, d);
+    d["skipped"] = s.skipped();
+  }
+
+  // What FoamAdam::load checks of a checkpoint's state and how it converts it, on a Python
+  // state_dict's tensors, copied once into storage of their own; then the options must fit the
+  // next step.
+  static void prepare_loaded(const Optimizer& /*opt*/, State& s, const at::Tensor& param,
+                             const Options& o, const std::string& where) {
+    gwt::foam_adam_detail::prepare_loaded_state(s, param, o, k_who, where, /*own_storage=*/true);
+    fits(param, o, s.step() + 1);
+  }
+
+  static void fits(const at::Tensor& param, const Options& o, int64_t next_step) {
+    gwt::foam_adam_detail::check_options_fit(param, o, next_step);
+  }
+
+  static std::map<std::string, int64_t> counters(const Optimizer& opt) {
+    return {{"skipped_steps", opt.skipped_steps()}};
+  }
+
+  static constexpr const char* k_who = "gwt.FoamAdam.load_state_dict";
 };
 
 }  // namespace gwt_python

@@ -1,4 +1,5 @@
-// gwt._C: the optimizers (gwt::WaveletAdam, gwt::GaLoreAdam) over torch.optim's groups and state.
+// gwt._C: the optimizers (gwt::WaveletAdam, gwt::GaLoreAdam, gwt::FoamAdam) over torch.optim's
+// groups and state.
 //
 // The state lives in Python (torch.optim.Optimizer's `state` and `param_groups`, so that
 // state_dict(), torch.save and LR schedulers work as with any torch optimizer). A Python optimizer
@@ -337,6 +338,7 @@ void bind_optimizer(py::module_& m, const std::string& prefix) {
 void bind_optimizers(py::module_& m) {
   bind_optimizer<WaveletAdamTraits>(m, "wavelet_adam");
   bind_optimizer<GaLoreAdamTraits>(m, "galore_adam");
+  bind_optimizer<FoamAdamTraits>(m, "foam_adam");
 
   m.def(
       "wavelet_adam_param_info",
@@ -355,6 +357,14 @@ void bind_optimizers(py::module_& m) {
         auto engine = build<GaLoreAdamTraits>(groups, py::none());
         const at::Tensor p = tensor_value(param, "the parameter");
         return as_value_error([&] { return engine.optimizer->is_projected_param(p); });
+      },
+      py::arg("groups"), py::arg("param"));
+  m.def(
+      "foam_adam_param_info",
+      [](const py::list& groups, const py::object& param) {
+        auto engine = build<FoamAdamTraits>(groups, py::none());
+        const at::Tensor p = tensor_value(param, "the parameter");
+        return as_value_error([&] { return engine.optimizer->is_folded_param(p); });
       },
       py::arg("groups"), py::arg("param"));
   // Tests only: the device path's kernels emulated on the host for CPU parameters
