@@ -82,6 +82,28 @@ TEST(LanguageModel, WaveletStateIsAtMost35PercentOfAdamW) {
   EXPECT_LE(static_cast<double>(wavelet_bytes), 0.35 * static_cast<double>(adamw_bytes));
 }
 
+TEST(LanguageModel, FoamFoldsTheProjectionsIntoAQuarterOfTheirState) {
+  // foam-l2: gwt::foam_param_groups folds the projections (one moment pair per block of 4 along
+  // each row), and the rest is dense Adam.
+  const lm::Preset tiny = lm::preset("tiny");
+  at::manual_seed(2);
+  lm::Decoder model(tiny.model);
+  auto foam = lm::make_optimizer(lm::optimizer_spec("foam-l2"), model);
+  const at::Tensor tokens = at::randint(0, 256, {2, 9}, at::kLong);
+  model->forward(tokens.narrow(1, 0, 8)).sum().backward();
+  foam->step();
+  int64_t expected = 0;
+  for (const auto& a : gwt::assign_param_groups(*model))
+    if (a.wavelet) {
+      const int64_t n = a.param.size(-1), rows = a.param.numel() / n;
+      expected += 2 * rows * ((n + 3) / 4) * static_cast<int64_t>(sizeof(float));
+    }
+  const auto [bytes, folded] = lm::state_bytes(*foam);
+  EXPECT_GT(folded, 0);
+  EXPECT_EQ(folded, expected);
+  EXPECT_GT(bytes, folded);  // the dense group's full moments
+}
+
 TEST(LanguageModelData, SplitIsDeterministicDisjointAndComplete) {
   std::string text;
   for (int i = 0; i < 100; ++i)

@@ -154,17 +154,20 @@ struct OptimizerSpec {
   std::string label;  // e.g. "WaveletAdam haar L=2"
   double lr = 3e-3;
   double weight_decay = 0.0;
-  std::string wavelet;  // empty for AdamW and GaLore
+  std::string wavelet;  // empty for AdamW, GaLore and FOAM
   bool galore = false;
+  bool foam = false;  // gwt::FoamAdam at `level` (the authors' grouping)
   int64_t level = 0;
   double scale = 1.0;
 };
 OptimizerSpec optimizer_spec(const std::string& name);
 std::vector<std::string> optimizer_names();
 
-/// Builds the optimizer for a model (WaveletAdam with gwt::paper_param_groups).
+/// Builds the optimizer for a model (WaveletAdam with gwt::paper_param_groups, FoamAdam with
+/// gwt::foam_param_groups).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec, Decoder& model);
-/// Optimizer-state bytes: {whole model, compressed (wavelet or projected) parameters only}.
+/// Optimizer-state bytes: {whole model, compressed (wavelet, projected or folded) parameters
+/// only}.
 std::pair<int64_t, int64_t> state_bytes(torch::optim::Optimizer& opt);
 
 /// Cosine schedule with linear warm-up and a floor at 0.1 of the peak.

@@ -49,8 +49,8 @@ Preset preset(const std::string& name) {
 }
 
 std::vector<std::string> optimizer_names() {
-  return {"adamw",           "wavelet-haar-l1", "wavelet-haar-l2",
-          "wavelet-haar-l3", "wavelet-db2-l2",  "galore"};
+  return {"adamw",          "wavelet-haar-l1", "wavelet-haar-l2", "wavelet-haar-l3",
+          "wavelet-db2-l2", "galore",          "foam-l2"};
 }
 
 OptimizerSpec optimizer_spec(const std::string& name) {
@@ -63,6 +63,11 @@ OptimizerSpec optimizer_spec(const std::string& name) {
   if (name == "galore") {  // rank set by make_optimizer: dim / 4, the moments of WaveletAdam L=2
     s.label = "GaLoreAdam r=dim/4";
     s.galore = true;
+    return s;
+  }
+  if (name == "foam-l2") {
+    s.label = "FoamAdam L=2";
+    s.foam = true, s.level = 2;
     return s;
   }
   const std::vector<std::tuple<std::string, std::string, int64_t>> wavelets = {
@@ -97,6 +102,13 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
         dense, std::make_unique<gwt::GaLoreAdamOptions>(gwt::GaLoreAdamOptions(options).rank(0)));
     return std::make_unique<gwt::GaLoreAdam>(std::move(groups), options);
   }
+  if (spec.foam) {
+    const auto options = gwt::FoamAdamOptions(spec.lr)
+                             .weight_decay(spec.weight_decay)
+                             .level(spec.level)
+                             .scale(spec.scale);
+    return std::make_unique<gwt::FoamAdam>(gwt::foam_param_groups(*model, options));
+  }
   if (spec.wavelet.empty())
     return std::make_unique<torch::optim::AdamW>(
         model->parameters(),
@@ -116,6 +128,13 @@ std::pair<int64_t, int64_t> state_bytes(torch::optim::Optimizer& opt) {
       for (const auto& p : group.params())
         if (g->is_projected_param(p)) projected += g->state_bytes(p);
     return {g->state_bytes(), projected};
+  }
+  if (auto* f = dynamic_cast<gwt::FoamAdam*>(&opt)) {
+    int64_t folded = 0;
+    for (const auto& group : f->param_groups())
+      for (const auto& p : group.params())
+        if (f->is_folded_param(p)) folded += f->state_bytes(p);
+    return {f->state_bytes(), folded};
   }
   if (auto* w = dynamic_cast<gwt::WaveletAdam*>(&opt)) {
     int64_t wavelet = 0;

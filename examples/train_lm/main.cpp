@@ -256,8 +256,9 @@ Job plan(int argc, char** argv, int64_t launched) {
       throw lm::InputError("under torchrun only the scale-out runs are made (" + name +
                            " is a single-process run; run it without torchrun)");
     lm::OptimizerSpec spec = lm::optimizer_spec(name);
-    const bool adamw = spec.wavelet.empty() && !spec.galore;
-    // GaLore takes WaveletAdam's settings: the GaLore recipe (higher lr, scale 0.25) they match.
+    const bool adamw = spec.wavelet.empty() && !spec.galore && !spec.foam;
+    // GaLore and FOAM take WaveletAdam's settings: the GaLore recipe (higher lr, scale 0.25)
+    // they match; the FOAM authors use scale 0.25 too.
     spec.lr = adamw ? args.lr_adamw : args.lr_wavelet;
     if (!adamw) spec.scale = args.scale;
     specs.push_back(spec);
