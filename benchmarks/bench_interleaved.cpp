@@ -61,6 +61,13 @@ std::unique_ptr<torch::optim::Optimizer> wavelet(std::vector<at::Tensor> params,
           nonfinite));
 }
 
+// FoamAdam at level 2 (every tensor folded along its last dimension), the fused one-pass kernel.
+std::unique_ptr<torch::optim::Optimizer> foam(std::vector<at::Tensor> params,
+                                              const std::string& nonfinite) {
+  return std::make_unique<gwt::FoamAdam>(std::move(params),
+                                         gwt::FoamAdamOptions(1e-3).level(2).nonfinite(nonfinite));
+}
+
 volatile double floor_sink = 0;  // keeps floor_read's sums (and the norm passes') alive
 
 // One pass of the fused Haar step (float32, L=2) over a copy of a workload's tensors.
@@ -213,6 +220,8 @@ void add_optimizers(int which, const AddOptimizer& add) {
         wavelet(gwt_bench::make_workload(which), "haar", 2, "2d", "skip_param"));
   }
   add("WaveletAdam db2 L=2", wavelet(gwt_bench::make_workload(which), "db2", 2, "1d", "skip_step"));
+  add("FoamAdam L=2", foam(gwt_bench::make_workload(which), "skip_step"));
+  add("FoamAdam L=2, skip_param", foam(gwt_bench::make_workload(which), "skip_param"));
 }
 
 // The memory floors of workloads 0-2 and 7: loops that move a step's bytes with next to no

@@ -17,7 +17,7 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${1:-$root/build}/tests/gwt_tests"
 checks="${1:-$root/build}/benchmarks/gwt_gpu_check"
-filter="${2:-Fused.*:KernelRows.*:KernelLanes.*:WaveletAdam*.*:Transform*.*:Compression.*}"
+filter="${2:-Fused.*:KernelRows.*:KernelLanes.*:WaveletAdam*.*:Transform*.*:Compression.*:Foam*.*}"
 [[ -x "$bin" ]] || { echo "cpu_matrix: $bin not built (run ./scripts/test.sh first)" >&2; exit 2; }
 # The Python environment scripts/test.sh used and installed the package into (setup.sh finds it;
 # after scripts/test.sh it has nothing left to install but, the first time, qemu-user).

@@ -35,25 +35,33 @@ void expect_trajectories(const std::string& file, size_t min_records) {
   for (const auto& rec : records) {
     SCOPED_TRACE(config_value(rec, "name"));
     const std::vector<int64_t> shape = config_shape(rec);
-    const FoamAdamOptions options = config_options(rec);
-    at::Tensor p = gwt_test::to_tensor(rec.rows.at("p0")).view(shape).clone().requires_grad_(true);
-    FoamAdam opt({p}, options);
-    EXPECT_EQ(opt.is_folded_param(p), options.level() > 0);
-    const int64_t steps = std::stoll(config_value(rec, "steps"));
-    ASSERT_GE(steps, 8);
-    for (int64_t t = 1; t <= steps; ++t) {
-      set_grad(p, gwt_test::to_tensor(rec.rows.at(row_key("g", t))).view(shape));
-      opt.step();
-      const at::Tensor expected = gwt_test::to_tensor(rec.rows.at(row_key("p", t))).view(shape);
-      // Relative to each element, with a floor of 1e-3 so that a value near zero does not blow
-      // up. Both sides compute in float64 with a few roundings per element and step (block sums,
-      // moment updates, one square root, one division, two updates of p), each within 1.1e-16
-      // relative, on update terms of order one (|m| / sqrt(v) is bounded for these betas): over
-      // 8 to 12 steps p differs by a few 1e-15 (at most 4e-15 here), 1e-12 against the floor at
-      // the worst, so 1e-9 cannot fail by rounding. A change of the rule moves p far more: rho^2
-      // dropped from V, 7e-2 at step 1; a padded block divided by its real length, every config
-      // with a partial block fails at step 1.
-      EXPECT_LE(gwt_test::max_rel_diff(p.detach(), expected, 1e-3), 1e-9) << "step " << t;
+    // The fused kernels (where one takes the parameter: dim -1) and the readable reference.
+    for (bool fused : {true, false}) {
+      SCOPED_TRACE(fused ? "fused" : "reference");
+      const FoamAdamOptions options = config_options(rec).fused(fused);
+      at::Tensor p =
+          gwt_test::to_tensor(rec.rows.at("p0")).view(shape).clone().requires_grad_(true);
+      FoamAdam opt({p}, options);
+      EXPECT_EQ(opt.is_folded_param(p), options.level() > 0);
+      EXPECT_EQ(
+          opt.is_fused_param(p),
+          fused && (options.dim() == -1 || options.dim() == p.dim() - 1 || options.level() == 0));
+      const int64_t steps = std::stoll(config_value(rec, "steps"));
+      ASSERT_GE(steps, 8);
+      for (int64_t t = 1; t <= steps; ++t) {
+        set_grad(p, gwt_test::to_tensor(rec.rows.at(row_key("g", t))).view(shape));
+        opt.step();
+        const at::Tensor expected = gwt_test::to_tensor(rec.rows.at(row_key("p", t))).view(shape);
+        // Relative to each element, with a floor of 1e-3 so that a value near zero does not blow
+        // up. Both sides compute in float64 with a few roundings per element and step (block sums,
+        // moment updates, one square root, one division, two updates of p), each within 1.1e-16
+        // relative, on update terms of order one (|m| / sqrt(v) is bounded for these betas): over
+        // 8 to 12 steps p differs by a few 1e-15 (at most 4e-15 here), 1e-12 against the floor at
+        // the worst, so 1e-9 cannot fail by rounding. A change of the rule moves p far more: rho^2
+        // dropped from V, 7e-2 at step 1; a padded block divided by its real length, every config
+        // with a partial block fails at step 1.
+        EXPECT_LE(gwt_test::max_rel_diff(p.detach(), expected, 1e-3), 1e-9) << "step " << t;
+      }
     }
   }
 }
@@ -103,14 +111,14 @@ TEST(FoamAdam, AZeroDimParameterStepsAsARowOfOneElement) {
   }
 }
 
-TEST(FoamAdam, EveryParameterOfAFoldedGroupIsFoldedAndNoneIsFused) {
+TEST(FoamAdam, EveryParameterOfAFoldedGroupIsFoldedAndFused) {
   const at::Tensor small = make_param({5, 3}), bias = make_param({7}), cube = make_param({2, 3, 9}),
                    one = make_param({}), big = make_param({8, 8});
   // As the authors: every parameter of a group with a level, whatever its shape.
   FoamAdam all({small, bias, cube, one, big}, FoamAdamOptions().level(3));
   for (const auto& p : {small, bias, cube, one, big}) {
     EXPECT_TRUE(all.is_folded_param(p)) << p.sizes();
-    EXPECT_FALSE(all.is_fused_param(p)) << p.sizes();  // no fused kernels yet
+    EXPECT_TRUE(all.is_fused_param(p)) << p.sizes();  // contiguous, on the CPU, along dim -1
   }
   // min_size keeps what has fewer than two dimensions, or fewer than min_size along either of the
   // last two, dense (WaveletAdam's meaning).

@@ -1,5 +1,5 @@
-// The multi-tensor step (src/kernels/shared/multi_tensor.h, the CUDA kernels' bodies) run on the host over
-// the same grid the GPU runs (multi_tensor_emulate.h), against the readable reference
+// The multi-tensor step (src/kernels/shared/multi_tensor.h, the CUDA kernels' bodies) run on the
+// host over the same grid the GPU runs (multi_tensor_emulate.h), against the readable reference
 // (WaveletAdamOptions::fused(false)): the device code tested on machines without a GPU.
 
 #include <ATen/ATen.h>
@@ -13,12 +13,13 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/shared/multi_tensor.h"
-#include "kernels/shared/multi_tensor_emulate.h"
 #include "../src/optim/wavelet_adam_device.h"
 #include "bound_expect.h"
 #include "float_bound.h"
 #include "gwt/gwt.h"
+#include "kernels/shared/multi_tensor.h"
+#include "kernels/shared/multi_tensor_emulate.h"
+#include "optim/common.h"  // kind_of
 #include "test_util.h"
 
 namespace {
@@ -43,18 +44,7 @@ at::ScalarType math_of(at::ScalarType param) {
   return param == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-gwt::kernels::ScalarKind kind_of(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble:
-      return gwt::kernels::ScalarKind::f64;
-    case at::kHalf:
-      return gwt::kernels::ScalarKind::f16;
-    case at::kBFloat16:
-      return gwt::kernels::ScalarKind::bf16;
-    default:
-      return gwt::kernels::ScalarKind::f32;
-  }
-}
+using gwt::optim_detail::kind_of;
 
 WaveletAdamOptions options_of(const Spec& s) {
   return WaveletAdamOptions(0.02)

@@ -10,7 +10,7 @@
 //
 //   train_lm [--preset tiny|llama-20m|llama-60m] [--optimizers a,b,...] [--corpus PATH]
 //            [--out DIR] [--steps N] [--device cpu|cuda] [--lr-adamw X] [--lr-wavelet X]
-//            [--scale X] [--nproc N] [--quiet]
+//            [--lr-foam X] [--scale X] [--nproc N] [--quiet]
 //
 // Scale-out (scale_out.h): --nproc N (N >= 2) adds the runs dp-full, dp-wavelet and dp-sharded,
 // each on N processes this program spawns (ranks meet on 127.0.0.1), to the table. Launched by
@@ -50,7 +50,7 @@ struct Args {
   int64_t steps = -1, nproc = 1;
   bool optimizers_given = false;
   // Tuned on the tiny preset (300-step sweep in docs/results.md): each optimizer its best setting.
-  double lr_adamw = 1e-3, lr_wavelet = 3e-3, scale = 0.25;
+  double lr_adamw = 1e-3, lr_wavelet = 3e-3, lr_foam = 3e-2, scale = 0.25;
   bool quiet = false;
 };
 
@@ -87,6 +87,8 @@ Args parse(int argc, char** argv) {
       a.lr_adamw = lm::parse_positive(flag, value());
     else if (flag == "--lr-wavelet")
       a.lr_wavelet = lm::parse_positive(flag, value());
+    else if (flag == "--lr-foam")
+      a.lr_foam = lm::parse_positive(flag, value());
     else if (flag == "--scale")
       a.scale = lm::parse_positive(flag, value());
     else if (flag == "--quiet")
@@ -257,9 +259,9 @@ Job plan(int argc, char** argv, int64_t launched) {
                            " is a single-process run; run it without torchrun)");
     lm::OptimizerSpec spec = lm::optimizer_spec(name);
     const bool adamw = spec.wavelet.empty() && !spec.galore && !spec.foam;
-    // GaLore and FOAM take WaveletAdam's settings: the GaLore recipe (higher lr, scale 0.25)
-    // they match; the FOAM authors use scale 0.25 too.
-    spec.lr = adamw ? args.lr_adamw : args.lr_wavelet;
+    // GaLore takes WaveletAdam's settings: the GaLore recipe (higher lr, scale 0.25) they match.
+    // FOAM has its own lr, with the same scale 0.25 (the authors' too).
+    spec.lr = adamw ? args.lr_adamw : spec.foam ? args.lr_foam : args.lr_wavelet;
     if (!adamw) spec.scale = args.scale;
     specs.push_back(spec);
   }

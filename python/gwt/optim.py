@@ -434,8 +434,8 @@ class FoamAdam(_SkipsPerParam):
     Args: ``lr``, ``betas``, ``weight_decay``, ``correct_bias``, ``dim``, ``state_dtype``,
     ``nonfinite``, ``min_size`` as WaveletAdam; ``eps`` (default 1e-8, as the authors), ``level``
     (blocks of ``2**level``; 0: dense), ``scale`` (multiplies the folded update; the authors use
-    0.25), ``res_scale`` (rho), ``fused`` (reserved: no fused kernels yet, every parameter takes
-    the readable ATen path).
+    0.25), ``res_scale`` (rho), ``fused`` (the fused CPU kernels where they apply, see
+    ``is_fused_param``; False: the readable ATen reference).
 
     State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (one value per block for folded
     parameters), ``skipped``.
@@ -470,4 +470,8 @@ class FoamAdam(_SkipsPerParam):
 
     def is_folded_param(self, param: torch.Tensor) -> bool:
         """Whether ``param`` takes the folded path under its group's options."""
-        return _C.foam_adam_param_info(self.param_groups, param)
+        return _C.foam_adam_param_info(self.param_groups, param)[0]
+
+    def is_fused_param(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s step runs in a fused kernel (else the ATen reference)."""
+        return _C.foam_adam_param_info(self.param_groups, param)[1]

@@ -364,7 +364,10 @@ void bind_optimizers(py::module_& m) {
       [](const py::list& groups, const py::object& param) {
         auto engine = build<FoamAdamTraits>(groups, py::none());
         const at::Tensor p = tensor_value(param, "the parameter");
-        return as_value_error([&] { return engine.optimizer->is_folded_param(p); });
+        return as_value_error([&] {
+          return std::make_pair(engine.optimizer->is_folded_param(p),
+                                engine.optimizer->is_fused_param(p));
+        });
       },
       py::arg("groups"), py::arg("param"));
   // Tests only: the device path's kernels emulated on the host for CPU parameters

@@ -20,8 +20,9 @@ def optional(header, key, default):
         return default
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("name", ["foam_trajectories.txt", "foam_rule_golden.txt"])
-def test_follows_the_authors_optimizer_and_the_rule_in_numpy(name):
+def test_follows_the_authors_optimizer_and_the_rule_in_numpy(name, fused):
     # foam_trajectories.txt: the FOAM authors' optimizer (foam_torch/foam_adam.py) in float64;
     # foam_rule_golden.txt: the rule written in NumPy (tests/gen_foam_golden.py: odd lengths,
     # levels 1 to 4, 3-D, dim, res_scale, beta2, eps, no bias correction, a dense group).
@@ -44,7 +45,11 @@ def test_follows_the_authors_optimizer_and_the_rule_in_numpy(name):
             scale=float(header_value(header, "scale")),
             res_scale=float(header_value(header, "res_scale")),
             dim=int(optional(header, "dim", -1)),
-            correct_bias=optional(header, "bias", "1") == "1")
+            correct_bias=optional(header, "bias", "1") == "1", fused=fused)
+        # The fused kernels take blocks along the last dimension (and dense groups).
+        dim = int(optional(header, "dim", -1))
+        assert opt.is_fused_param(p) == (fused and dim in (-1, len(shape) - 1)
+                                         or fused and int(header_value(header, "level")) == 0)
         for t in range(1, steps + 1):
             p.grad = torch.tensor(values[f"g{t}"], dtype=torch.float64).reshape(shape)
             opt.step()
@@ -116,6 +121,9 @@ def test_state_is_a_quarter_at_level_two_and_the_groups_are_the_authors():
     opt.step()
     assert opt.state_bytes() == 2 * 8 * 16 * 4
     assert tuple(opt.state[p]["exp_avg"].shape) == (8, 16)
+    assert opt.is_fused_param(p) and opt.is_folded_param(p)
+    assert not gwt.FoamAdam([p], fused=False).is_fused_param(p)
+    assert not gwt.FoamAdam([p], dim=0).is_fused_param(p)  # blocks along a dimension not last
 
 
 @pytest.mark.parametrize("options, message", [

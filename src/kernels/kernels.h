@@ -3,8 +3,8 @@
 /// \file
 /// The kernel seam (internal, not installed): plain structs of pointers, sizes and scalars that
 /// the torch-facing layer (src/optim/wavelet_adam_fused.cpp) fills after validating tensors, and
-/// one entry point per body: src/kernels/cpu and avx2 for the CPU, cuda/*.cu for NVIDIA GPUs. Kernels never see a torch type and
-/// never include an optimizer header.
+/// one entry point per body: src/kernels/cpu and avx2 for the CPU, cuda/*.cu for NVIDIA GPUs.
+/// Kernels never see a torch type and never include an optimizer header.
 
 #include <cstdint>
 
@@ -137,6 +137,38 @@ struct DenseAdamArgs {
 };
 
 void dense_adam_update_cpu(const DenseAdamArgs& args);
+
+/// FOAM's rule on a folded parameter (docs/algorithm.md#foam) on the CPU, in one pass: for each
+/// block of 2^level values along contiguous rows of length n (the last block of a row may be
+/// partial: its sums still divide by 2^level, the authors' zero padding),
+///   a = sum(g) / 2^level;  s = sum(g * g) / 2^level;
+///   m = beta1 * m + (1 - beta1) * a;  v = beta2 * v + (1 - beta2) * s  (rounded to the state type,
+///   and read back as stored);  then for each of its values, with r = g - a,
+///   x = p + (-step_size) * ((m + res_scale * r) * scale / (sqrt(v + res_scale^2 * (r * r)) +
+///   eps)); p = x + (-decay) * x  (when apply_decay).
+/// Reads g and p once, reads and writes the moments once, writes p: 16 bytes per float32
+/// parameter at level 2. Parallel over fixed groups of 8 blocks, so the result does not depend
+/// on the number of threads.
+struct FoamAdamArgs {
+  void* param = nullptr;       ///< [rows, n], param_kind, contiguous
+  const void* grad = nullptr;  ///< [rows, n], param_kind (float32 when grad_f32), contiguous
+  void* exp_avg = nullptr;     ///< [rows, approx_len], state_kind
+  void* exp_avg_sq = nullptr;  ///< [rows, approx_len], state_kind
+  ScalarKind param_kind = ScalarKind::f32;
+  ScalarKind state_kind = ScalarKind::f32;
+  bool math_f64 = false;  ///< compute in double (float64 parameters)
+  bool grad_f32 = false;  ///< as HaarAdamArgs::grad_f32
+  int64_t rows = 0, n = 0;
+  int64_t approx_len = 0;  ///< ceil(n / 2^level)
+  int64_t level = 2;       ///< 1..30
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double scale = 1, res_scale = 1;
+  double step_size = 0;  ///< lr * bias correction
+  double decay = 0;      ///< lr * weight_decay
+  bool apply_decay = false;
+};
+
+void foam_adam_update_cpu(const FoamAdamArgs& args);
 
 /// Whether every one of the n values at data is finite (no NaN, no infinity). CPU, parallel,
 /// one read of the data.

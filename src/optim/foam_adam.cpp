@@ -107,14 +107,19 @@ void folded_update(at::Tensor& param, const at::Tensor& grad, FoamAdamParamState
   rows(param).add_(update, -step_size);
 }
 
-// One parameter's step in the math dtype (compute_dtype: float64 stays, everything else float32),
-// then the decoupled weight decay (only when positive, as the authors), then the parameter's own
-// dtype.
+// One parameter's step: in a fused kernel where one takes it (foam_adam_fused.cpp), else by the
+// rule above in the math dtype (compute_dtype: float64 stays, everything else float32), then the
+// decoupled weight decay (only when positive, as the authors), then the parameter's own dtype.
 void update_param(const at::Tensor& param, FoamAdamParamState& state, const FoamAdamOptions& o,
                   const Plan& plan) {
   state.step(state.step() + 1);
   const double step_size =
       optim_detail::adam_step_size(o.lr(), o.betas(), o.correct_bias(), state.step());
+  const auto path = foam_adam_detail::path_for(param, o, plan, state.exp_avg().scalar_type());
+  if (path != foam_adam_detail::Path::reference) {
+    foam_adam_detail::fused_update(param, state, o, path, step_size);
+    return;
+  }
   const at::ScalarType math = compute_dtype(param);
   at::Tensor value = param.scalar_type() == math ? param : param.to(math);
   const at::Tensor grad = param.grad().to(math);
@@ -176,11 +181,15 @@ std::vector<Work> checked_work(const std::vector<torch::optim::OptimizerParamGro
 }
 
 // Whether a NaN or infinity in the gradients of "skip_step" groups skips the whole step (one read
-// of each CPU gradient, one synchronisation for the others).
+// of each CPU gradient, one synchronisation for the others). The gradients are read last to
+// first: the step then updates first the parameters whose gradients were read last, which may
+// still be in the cache (on a step larger than the cache, its first tensors' gradients are then
+// read from memory once rather than twice).
 bool nonfinite_skips_step(const std::vector<Work>& work) {
   std::vector<at::Tensor> grads;
-  for (const auto& w : work)
-    if (!w.per_param) grads.push_back(optim_detail::grad_for_finite_check(w.param, w.param.grad()));
+  for (auto w = work.rbegin(); w != work.rend(); ++w)
+    if (!w->per_param)
+      grads.push_back(optim_detail::grad_for_finite_check(w->param, w->param.grad()));
   return !optim_detail::all_finite(grads);
 }
 
@@ -337,8 +346,14 @@ bool FoamAdam::is_folded_param(const at::Tensor& param) const {
 }
 
 bool FoamAdam::is_fused_param(const at::Tensor& param) const {
-  options_for(*this, param, "is_fused_param");  // a parameter of this optimizer, or the error
-  return false;  // no fused kernels yet: every parameter takes the reference
+  const FoamAdamOptions& o = options_for(*this, param, "is_fused_param");
+  auto it = state_.find(param.unsafeGetTensorImpl());
+  const at::ScalarType moments =
+      it == state_.end()
+          ? foam_adam_detail::state_dtype(param, o)
+          : static_cast<const FoamAdamParamState&>(*it->second).exp_avg().scalar_type();
+  return foam_adam_detail::path_for(param, o, plan_for(param, o), moments) !=
+         foam_adam_detail::Path::reference;
 }
 
 }  // namespace gwt

@@ -51,5 +51,20 @@ void prepare_loaded_state(FoamAdamParamState& state, const at::Tensor& param,
                           const FoamAdamOptions& options, const char* who, const std::string& where,
                           bool own_storage);
 
+/// Which computation takes a parameter's step (foam_adam_fused.cpp).
+enum class Path { reference, folded, dense };
+
+/// The fused kernel that takes `param`'s step under `o` with moments of dtype `moments`, or
+/// Path::reference: a CPU parameter of float32, float64, float16 or bfloat16, contiguous, with
+/// fused(true); folded along its last dimension, or dense with float32/float64 moments of its own
+/// dtype. Everything else (another `dim`, another device) takes the readable reference.
+Path path_for(const at::Tensor& param, const FoamAdamOptions& o, const Plan& plan,
+              at::ScalarType moments);
+
+/// One parameter's step in the kernel `path` names (not Path::reference), `step_size` this step's
+/// lr times bias correction: the reference's rule, with its order of operations, in one pass.
+void fused_update(const at::Tensor& param, FoamAdamParamState& state, const FoamAdamOptions& o,
+                  Path path, double step_size);
+
 }  // namespace foam_adam_detail
 }  // namespace gwt

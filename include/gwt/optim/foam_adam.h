@@ -45,8 +45,9 @@ struct FoamAdamOptions : public torch::optim::OptimizerCloneableOptions<FoamAdam
   TORCH_ARG(bool, correct_bias) = true;
   /// Dimension the blocks run along; the others are batch dimensions.
   TORCH_ARG(int64_t, dim) = -1;
-  /// Reserved for fused kernels, which do not exist yet: every parameter takes the readable ATen
-  /// reference whatever this says (is_fused_param() is false).
+  /// Fused kernels where they apply (is_fused_param()): a contiguous CPU parameter folded along
+  /// its last dimension steps in one pass over its values; a dense float32/float64 one in one
+  /// loop. false: every parameter takes the readable ATen reference.
   TORCH_ARG(bool, fused) = true;
   /// Moment dtype: "auto" (float64 for float64 parameters, float32 otherwise) or "bfloat16"
   /// (halves the state again; the math stays in float32, float64 for float64 parameters).
@@ -93,7 +94,9 @@ struct FoamAdamParamState : public torch::optim::OptimizerCloneableParamState<Fo
 ///   parameter whose gradient is not finite.
 /// - Errors a caller can cause (bad options, sparse or mis-shaped gradients, state that does not
 ///   fit, a corrupt checkpoint) are thrown before anything changes.
-/// - Every parameter takes the readable ATen reference; fused kernels are to come.
+/// - Contiguous CPU parameters folded along their last dimension (and dense float32/float64 ones)
+///   step in fused kernels (FoamAdamOptions::fused), the others by the readable ATen reference;
+///   the kernels are tested against it within a rounding bound derived from the data.
 class FoamAdam : public torch::optim::Optimizer {
  public:
   explicit FoamAdam(std::vector<torch::optim::OptimizerParamGroup> param_groups,
@@ -121,8 +124,9 @@ class FoamAdam : public torch::optim::Optimizer {
   int64_t state_bytes(const at::Tensor& param) const;
   /// Whether `param` takes the folded path under its group's options.
   bool is_folded_param(const at::Tensor& param) const;
-  /// Whether `param`'s step runs in a fused kernel: false for every parameter, as there are none
-  /// yet (the ATen reference runs whatever FoamAdamOptions::fused says).
+  /// Whether `param`'s step runs in a fused kernel (else the ATen reference): fused(true), on the
+  /// CPU, contiguous, float32/float64/float16/bfloat16, and folded along its last dimension, or
+  /// dense with moments of its own float32/float64 dtype.
   bool is_fused_param(const at::Tensor& param) const;
   /// Steps skipped because a gradient was not finite (with "skip_param" groups: steps in which
   /// at least one parameter was skipped).

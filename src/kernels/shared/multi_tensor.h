@@ -42,9 +42,10 @@ namespace mt {
 constexpr int k_threads = 256;                 // threads per block of every multi-tensor kernel
 constexpr int64_t k_chunk_values = 32 * 1024;  // gradient values per chunk (128 per thread)
 
-/// Haar blocks (one thread per coefficient), dense values (one thread per value), or rows of any
-/// other wavelet (one block per row, row::row_norm_sq / row_update in shared memory).
-enum class Kind : int32_t { haar = 0, dense = 1, general = 2 };
+/// Haar blocks (one thread per coefficient), dense values (one thread per value), rows of any
+/// other wavelet (one block per row, row::row_norm_sq / row_update in shared memory), or FoamAdam's
+/// folded blocks (one thread per block of 2^level values along a row; docs/algorithm.md#foam).
+enum class Kind : int32_t { haar = 0, dense = 1, general = 2, foam = 3 };
 
 /// Per-tensor counters in device memory: [0] steps taken (bias correction), [1] steps skipped
 /// (nonfinite "skip_param").
@@ -69,6 +70,8 @@ struct TensorMeta {
   int64_t block_rows = 1;   ///< 2-D: ceil(height / block)
   int64_t state_rows = 0;   ///< rows of the moments
   double approx_scale = 1;  ///< 2^(-level/2), 2-D: 2^(-level)
+  double res_scale = 1;     ///< FOAM: rho, the residual's weight
+  /// FOAM: scale multiplies its update inside (u = scale M / D), not the step size.
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, lr = 0, weight_decay = 0, scale = 1, gamma = 0;
   int64_t first_chunk = 0, chunks = 0;  ///< this tensor's chunks in the launch's chunk list
   int64_t plan = -1;                    ///< general: its row::RowPlan in the launch's plans
@@ -130,6 +133,14 @@ GWT_ROW_FN void block_rows_of(const TensorMeta& t, int64_t k, int64_t& first, in
   count = t.height - top < t.block ? t.height - top : t.block;
 }
 
+/// FOAM block k (row k / approx_len, block k % approx_len): its values [begin, end) of the tensor
+/// (the last block of a row may be partial).
+GWT_ROW_FN void foam_block(const TensorMeta& t, int64_t k, int64_t& begin, int64_t& end) {
+  const int64_t row = k / t.approx_len, j = k % t.approx_len;
+  begin = row * t.n + j * t.block;
+  end = row * t.n + (j * t.block + t.block < t.n ? j * t.block + t.block : t.n);
+}
+
 /// Haar coefficient k's approximation: its block's values summed row by row, in order (zeros past
 /// n: PyWavelets' zero mode), times the scale.
 template <typename P, typename Acc>
@@ -167,6 +178,15 @@ GWT_ROW_FN double norm_share(const Launch& l, int64_t c, int lane) {
   if (t.kind == Kind::dense) {
     for (int64_t i = chunk.begin + lane; i < chunk.end; i += k_threads)
       sum += static_cast<double>(row::to_acc<Acc>(grad[i]) * Acc(0));
+    return sum;
+  }
+  if (t.kind == Kind::foam) {  // no limiter either: the non-finite check alone
+    for (int64_t k = chunk.begin + lane; k < chunk.end; k += k_threads) {
+      int64_t begin, end;
+      foam_block(t, k, begin, end);
+      for (int64_t i = begin; i < end; ++i)
+        sum += static_cast<double>(row::to_acc<Acc>(grad[i]) * Acc(0));
+    }
     return sum;
   }
   const S* m = static_cast<const S*>(t.exp_avg);
@@ -227,7 +247,7 @@ GWT_ROW_FN void finalize_tensor(const Launch& l, int64_t i, double total) {
       l.flags->found_inf = 1;
   }
   const double step = bias_corrected(t, t.counts[k_steps] + 1);
-  r.step_size = t.kind == Kind::dense ? step : step * t.scale;
+  r.step_size = t.kind == Kind::dense || t.kind == Kind::foam ? step : step * t.scale;
   r.lim = 1, r.new_norm = -1;
   // The row bodies read the step size from the plan: this step's, written where the update reads.
   if (t.kind == Kind::general)
@@ -246,6 +266,45 @@ GWT_ROW_FN void finalize_tensor(const Launch& l, int64_t i, double total) {
 /// Whether tensor i steps (read by the update, after every finalize of the step).
 GWT_ROW_FN bool steps(const Launch& l, int64_t i) {
   return !l.flags->found_inf && !(l.tensors[i].skip_param && l.results[i].bad);
+}
+
+/// FOAM's update of the blocks of chunk `chunk` that thread `lane` takes: the order of operations
+/// of the CPU bodies (src/kernels/cpu/foam_adam_cpu_impl.h, FoamAdamArgs), a block's sums in
+/// ascending order.
+template <typename P, typename S, typename Acc>
+GWT_ROW_FN void foam_update(const TensorMeta& t, const TensorResult& r, const Chunk& chunk,
+                            int lane, P* param, const P* grad, S* m, S* v) {
+  using std::sqrt;
+  const Acc b1 = static_cast<Acc>(t.beta1), b2 = static_cast<Acc>(t.beta2);
+  const Acc c1 = static_cast<Acc>(1 - t.beta1), c2 = static_cast<Acc>(1 - t.beta2);
+  const Acc eps = static_cast<Acc>(t.eps), scale = static_cast<Acc>(t.scale);
+  const Acc rho = static_cast<Acc>(t.res_scale);
+  const Acc rho2 = static_cast<Acc>(t.res_scale * t.res_scale);
+  const Acc step = static_cast<Acc>(-r.step_size);
+  const Acc keep = static_cast<Acc>(-t.lr * t.weight_decay);
+  const Acc inv_block = static_cast<Acc>(1.0 / static_cast<double>(t.block));  // exact: 2^-level
+  for (int64_t k = chunk.begin + lane; k < chunk.end; k += k_threads) {
+    int64_t begin, end;
+    foam_block(t, k, begin, end);
+    Acc sum = 0, sum_sq = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      const Acc x = row::to_acc<Acc>(grad[i]);
+      sum += x;
+      sum_sq += x * x;
+    }
+    const Acc a = sum * inv_block, s = sum_sq * inv_block;
+    m[k] = static_cast<S>(b1 * row::to_acc<Acc>(m[k]) + c1 * a);
+    v[k] = static_cast<S>(b2 * row::to_acc<Acc>(v[k]) + c2 * s);
+    const Acc m_new = row::to_acc<Acc>(m[k]), v_new = row::to_acc<Acc>(v[k]);
+    for (int64_t i = begin; i < end; ++i) {
+      const Acc res = row::to_acc<Acc>(grad[i]) - a;
+      const Acc first = m_new + rho * res;
+      const Acc second = v_new + rho2 * (res * res);
+      Acc x = row::to_acc<Acc>(param[i]) + step * ((first * scale) / (sqrt(second) + eps));
+      if (t.weight_decay > 0) x = x + keep * x;  // as the authors: only a positive decay
+      param[i] = static_cast<P>(x);
+    }
+  }
 }
 
 /// Update pass, thread `lane` of the block for chunk c.
@@ -275,6 +334,10 @@ GWT_ROW_FN void update_share(const Launch& l, int64_t c, int lane) {
       if (t.weight_decay != 0) p = p + keep * p;
       param[i] = static_cast<P>(p);
     }
+    return;
+  }
+  if (t.kind == Kind::foam) {
+    foam_update<P, S, Acc>(t, r, chunk, lane, param, grad, m, v);
     return;
   }
   const Acc lim = static_cast<Acc>(r.lim), keep = static_cast<Acc>(-decay);
@@ -377,194 +440,9 @@ GWT_ROW_FN void general_update_bookkeeping(const Launch& l, int64_t c, int64_t k
 }
 }  // namespace
 
-// ---------------------------------------------------------------------------------------------
-// The planner (host)
-// ---------------------------------------------------------------------------------------------
-
-/// The types a group's kernels are instantiated for.
-struct GroupKey {
-  ScalarKind param_kind = ScalarKind::f32;
-  ScalarKind state_kind = ScalarKind::f32;
-  bool math_f64 = false;
-  bool general = false;  ///< rows of a general wavelet: kernels of their own, with shared memory
-  bool operator==(const GroupKey& o) const {
-    return param_kind == o.param_kind && state_kind == o.state_kind && math_f64 == o.math_f64 &&
-           general == o.general;
-  }
-};
-
-/// One group of a step: its tensors and their chunks.
-struct Group {
-  GroupKey key;
-  std::vector<TensorMeta> tensors;
-  std::vector<Chunk> chunks;
-  std::vector<unsigned char> plans;  ///< general: the tensors' row::RowPlan<Acc>, back to back
-  int64_t shared_bytes = 0;          ///< general: the largest row's scratch
-};
-
-/// Work items of a tensor (Haar coefficients or dense values) and how many a chunk takes: chunks
-/// of about k_chunk_values gradient values.
-inline int64_t work_items(const TensorMeta& t) {
-  if (t.kind == Kind::general) return t.rows;
-  return t.kind == Kind::dense ? t.n : t.state_rows * t.approx_len;
-}
-inline int64_t items_per_chunk(const TensorMeta& t, int64_t chunk_values) {
-  if (t.kind == Kind::general) return 1;  // a row per block
-  if (t.kind == Kind::dense) return chunk_values;
-  const int64_t values = t.block * (t.two_d ? t.block : 1);
-  return chunk_values / values > 0 ? chunk_values / values : 1;
-}
-
-/// Fills the Haar geometry of t (block_rows, state_rows, approx_scale) from rows, n, block,
-/// two_d, height.
-inline void complete_haar_meta(TensorMeta& t, int64_t level) {
-  t.kind = Kind::haar;
-  t.block = int64_t{1} << level;
-  t.approx_len = (t.n + t.block - 1) / t.block;
-  t.height = t.two_d ? t.height : 1;
-  t.block_rows = t.two_d ? (t.height + t.block - 1) / t.block : 1;
-  t.state_rows = t.rows / t.height * t.block_rows;
-  t.approx_scale = std::pow(2.0, (t.two_d ? -1.0 : -0.5) * static_cast<double>(level));
-}
-
-/// The step's groups, in the order their keys first appear.
-class Planner {
- public:
-  /// `chunk_values`: gradient values per chunk (the tests take small chunks to have many).
-  explicit Planner(int64_t chunk_values = k_chunk_values) : chunk_values_(chunk_values) {}
-  void add(const GroupKey& key, TensorMeta t) {
-    Group* group = group_of(key);
-    const int64_t index = static_cast<int64_t>(group->tensors.size());
-    t.first_chunk = static_cast<int64_t>(group->chunks.size());
-    const int64_t items = work_items(t), per = items_per_chunk(t, chunk_values_);
-    // Every tensor has a chunk, an empty one when it has no values: its first chunk keeps its
-    // counts.
-    for (int64_t begin = 0; begin < items || begin == 0; begin += per)
-      group->chunks.push_back(Chunk{index, begin, begin + per < items ? begin + per : items});
-    t.chunks = static_cast<int64_t>(group->chunks.size()) - t.first_chunk;
-    group->tensors.push_back(t);
-  }
-  const std::vector<Group>& groups() const { return groups_; }
-  /// Kernel launches the step makes: three per group, whatever the number of tensors.
-  int64_t launches() const { return 3 * static_cast<int64_t>(groups_.size()); }
-
-  /// A tensor of a general wavelet, one row per chunk, with its row plan (`a`: the tensor's
-  /// arguments as the per-tensor CUDA kernel takes them; its step size is the finalize's).
-  void add_general(GroupKey key, TensorMeta t, const WaveletAdamArgs& a) {
-    key.general = true;
-    t.kind = Kind::general;
-    Group* group = group_of(key);
-    auto append = [&](auto plan) {
-      using Plan = decltype(plan);
-      using Acc = decltype(plan.eps);
-      t.plan = static_cast<int64_t>(group->plans.size() / sizeof(Plan));
-      const auto* bytes = reinterpret_cast<const unsigned char*>(&plan);
-      group->plans.insert(group->plans.end(), bytes, bytes + sizeof(Plan));
-      const int64_t scratch = (plan.coeff_len + 2 * plan.buffer_len + plan.approx_len) *
-                              static_cast<int64_t>(sizeof(Acc));
-      if (scratch > group->shared_bytes) group->shared_bytes = scratch;
-    };
-    if (key.math_f64)
-      append(row::make_row_plan<double>(a));
-    else
-      append(row::make_row_plan<float>(a));
-    add(key, t);
-  }
-
- private:
-  Group* group_of(const GroupKey& key) {
-    for (Group& g : groups_)
-      if (g.key == key) return &g;
-    groups_.push_back(Group{key, {}, {}, {}, 0});
-    return &groups_.back();
-  }
-  int64_t chunk_values_;
-  std::vector<Group> groups_;
-};
-
-/// Where a step's metadata and scratch lie in one buffer (device memory for CUDA, host memory for
-/// the emulation): for each group, its tensors, chunks, partials and results, 16-byte aligned.
-class StepLayout {
- public:
-  explicit StepLayout(const std::vector<Group>& groups) {
-    for (const Group& g : groups) {
-      Offsets o;
-      o.tensors = take(g.tensors.size() * sizeof(TensorMeta));
-      o.chunks = take(g.chunks.size() * sizeof(Chunk));
-      o.partials = take(g.chunks.size() * sizeof(double));
-      o.results = take(g.tensors.size() * sizeof(TensorResult));
-      o.plans = take(g.plans.size());
-      offsets_.push_back(o);
-    }
-  }
-  size_t bytes() const { return end_; }
-  /// Writes the groups' tensors and chunks at `base` (a buffer of bytes()); the scratch parts are
-  /// zeroed.
-  void write(const std::vector<Group>& groups, unsigned char* base) const {
-    std::memset(base, 0, end_);
-    for (size_t g = 0; g < groups.size(); ++g) {
-      std::memcpy(base + offsets_[g].tensors, groups[g].tensors.data(),
-                  groups[g].tensors.size() * sizeof(TensorMeta));
-      std::memcpy(base + offsets_[g].chunks, groups[g].chunks.data(),
-                  groups[g].chunks.size() * sizeof(Chunk));
-      if (!groups[g].plans.empty())
-        std::memcpy(base + offsets_[g].plans, groups[g].plans.data(), groups[g].plans.size());
-    }
-  }
-  /// Group g's launch arguments over the buffer at `base` (where write() left the metadata).
-  Launch launch(const std::vector<Group>& groups, size_t g, unsigned char* base,
-                StepFlags* flags) const {
-    Launch l;
-    l.tensors = reinterpret_cast<const TensorMeta*>(base + offsets_[g].tensors);
-    l.chunks = reinterpret_cast<const Chunk*>(base + offsets_[g].chunks);
-    l.num_tensors = static_cast<int64_t>(groups[g].tensors.size());
-    l.num_chunks = static_cast<int64_t>(groups[g].chunks.size());
-    l.partials = reinterpret_cast<double*>(base + offsets_[g].partials);
-    l.results = reinterpret_cast<TensorResult*>(base + offsets_[g].results);
-    l.plans = base + offsets_[g].plans;
-    l.shared_bytes = groups[g].shared_bytes;
-    l.flags = flags;
-    l.first_of_step = g == 0;
-    l.last_of_step = g + 1 == groups.size();
-    return l;
-  }
-
- private:
-  struct Offsets {
-    size_t tensors, chunks, partials, results, plans;
-  };
-  size_t take(size_t bytes) {
-    const size_t at = (end_ + 15) / 16 * 16;
-    end_ = at + bytes;
-    return at;
-  }
-  std::vector<Offsets> offsets_;
-  size_t end_ = 0;
-};
-
-/// The launches of one step in their order: every group's norm and finalize, then every group's
-/// update (the updates read the step-wide found_inf, complete only after the last finalize).
-/// `kernels` has norm(key, launch), finalize(key, launch) and update(key, launch).
-template <typename Kernels>
-void run_step(const std::vector<Group>& groups, const StepLayout& layout, unsigned char* base,
-              StepFlags* flags, Kernels&& kernels) {
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const Launch l = layout.launch(groups, g, base, flags);
-    kernels.norm(groups[g].key, l);
-    kernels.finalize(groups[g].key, l);
-  }
-  for (size_t g = 0; g < groups.size(); ++g)
-    kernels.update(groups[g].key, layout.launch(groups, g, base, flags));
-}
-
-/// Launches one step of `groups` on the current CUDA stream: Planner::launches() kernels over the
-/// buffer at `device_base`, device memory of layout.bytes() where StepLayout::write's bytes have
-/// been copied. Nothing waits for the device. `flags`: device memory of the optimizer, kept
-/// between steps (zeroed before the first). Present when gwt was built with CUDA; elsewhere it
-/// throws.
-void multi_tensor_step_cuda(const std::vector<Group>& groups, const StepLayout& layout,
-                            unsigned char* device_base, StepFlags* flags);
-
 }  // namespace mt
 }  // namespace kernels
 }  // namespace gwt
+
+// The planner (the host's part: groups, chunks, the metadata's layout, the launches' order).
+#include "kernels/shared/multi_tensor_plan.h"
