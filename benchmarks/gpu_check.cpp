@@ -9,8 +9,8 @@
 //             [--json out.json] [--markdown out.md] [--steps N]
 //
 // --emulate (with --device cpu): the multi-tensor kernels' bodies run on the host over the GPU's
-// grid (src/kernels/shared/multi_tensor_emulate.h), so the checks exercise the device path without a
-// GPU (gpu_check.sh's dry run). --quick: small shapes only (compute-sanitizer's memcheck); with
+// grid (src/kernels/shared/multi_tensor_emulate.h), so the checks exercise the device path without
+// a GPU (gpu_check.sh's dry run). --quick: small shapes only (compute-sanitizer's memcheck); with
 // --only NAME, one small case of that wavelet (racecheck). --only NAME: the checks of one wavelet
 // (haar, db2, haar2d). --checks-only skips the timing.
 //
@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "../src/optim/wavelet_adam_device.h"
+#include "../src/optim/device_steps.h"
 #include "../tests/float_bound.h"
 #include "gwt/gwt.h"
 #include "kernels/kernels.h"
@@ -90,8 +90,8 @@ bool check_case(const std::string& wavelet, at::ScalarType dtype, int64_t level,
   // (tests/float_bound.h), and the bound is checked to be small. Reduced precision: both within
   // the bound of the float64 run. float64: within twice the bound (u = 2^-53) of each other.
   // Comparing the two float32 errors with each other, as this check did before, was a coin toss
-  // on ill-conditioned data: it failed on one CPU model (haar2d level 3) and passed on another; so was
-  // float64 at a flat 1e-10 on random signs, where a block sum that nearly cancels (the step
+  // on ill-conditioned data: it failed on one CPU model (haar2d level 3) and passed on another; so
+  // was float64 at a flat 1e-10 on random signs, where a block sum that nearly cancels (the step
   // divides by it) leaves the difference to how each side rounds that sum.
   const bool reduced = dtype != at::kDouble;
   const std::vector<at::Tensor> grads =
@@ -506,7 +506,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gpu_check: --emulate runs the kernels on the host: use --device cpu\n");
     return 2;
   }
-  gwt::wavelet_adam_detail::emulate_device_steps_on_cpu(emulate);
+  gwt::optim_detail::emulate_device_steps_on_cpu(emulate);
   if (emulate) std::printf("the multi-tensor kernels run emulated on the host\n");
   bool ok = check_kernel_image();
   const std::vector<std::vector<int64_t>> shapes =

@@ -21,7 +21,8 @@
 #include "gwt/gwt.h"
 #include "kernels/shared/multi_tensor.h"
 #include "kernels/shared/multi_tensor_emulate.h"
-#include "optim/common.h"  // kind_of
+#include "optim/common.h"        // kind_of
+#include "optim/device_steps.h"  // emulate_device_steps_on_cpu
 
 namespace {
 
@@ -490,6 +491,75 @@ TEST(FoamMultiTensor, NonFiniteGradientsSkipAsTheOptimizerDoes) {
       EXPECT_EQ(r.emulated[0].counts[mt::k_steps].item<int64_t>(), 2);
       EXPECT_EQ(r.emulated[1].counts[mt::k_skipped].item<int64_t>(), 1);
     }
+  }
+}
+
+// FoamAdam's own step through the device path (src/optim/device_steps.h), its kernels emulated on
+// the host: the same parameters as the host path (both float64, the same rule with a few
+// roundings per value and step: they differ by ~1e-15 relative, held to 1e-12), step and skip
+// counts kept on the device and brought back when asked (skipped_steps, save), a non-finite
+// gradient skipping as on the host, and a checkpoint of the device run resuming on the host.
+TEST(FoamMultiTensor, FoamAdamOnTheDevicePathMatchesTheHostPath) {
+  struct Emulation {
+    explicit Emulation(bool on) { gwt::optim_detail::emulate_device_steps_on_cpu(on); }
+    ~Emulation() { gwt::optim_detail::emulate_device_steps_on_cpu(false); }
+  };
+  for (const char* nonfinite : {"skip_step", "skip_param"}) {
+    SCOPED_TRACE(nonfinite);
+    at::manual_seed(740);
+    const std::vector<std::vector<int64_t>> shapes = {{4, 64}, {3, 77}, {7}, {}, {5, 6}};
+    std::vector<at::Tensor> host, device;
+    for (const auto& shape : shapes) {
+      host.push_back(at::randn(shape, at::kDouble).requires_grad_(true));
+      device.push_back(host.back().detach().clone().requires_grad_(true));
+    }
+    const auto folded = FoamAdamOptions(0.02).weight_decay(0.1).res_scale(0.5).nonfinite(nonfinite);
+    auto groups = [&](const std::vector<at::Tensor>& p) {
+      std::vector<torch::optim::OptimizerParamGroup> g;
+      g.emplace_back(std::vector<at::Tensor>{p[0], p[1], p[2], p[3]},
+                     std::make_unique<FoamAdamOptions>(folded));
+      g.emplace_back(std::vector<at::Tensor>{p[4]},
+                     std::make_unique<FoamAdamOptions>(FoamAdamOptions(folded).level(0)));
+      return g;
+    };
+    FoamAdam on_host(groups(host), folded), on_device(groups(device), folded);
+    std::string checkpoint;
+    for (int t = 0; t < 6; ++t) {
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        at::Tensor g = at::randn(shapes[i], at::kDouble);
+        if (t == 2 && i == 1) g.view({-1})[5] = std::nan("");
+        set_grad(host[i], g), set_grad(device[i], g);
+      }
+      on_host.step();
+      {
+        const Emulation emulated(true);
+        on_device.step();
+      }
+      for (size_t i = 0; i < shapes.size(); ++i)
+        EXPECT_LE(gwt_test::max_rel_diff(device[i].detach(), host[i].detach(), 1e-3), 1e-12)
+            << "tensor " << i << " step " << t;
+      // The device path was taken: its counts stay on the device until asked for (the host's
+      // state still says 0), where the host path's say 1.
+      if (t == 0) {
+        EXPECT_EQ(state_of(on_device, device[0]).step(), 0);
+        EXPECT_EQ(state_of(on_host, host[0]).step(), 1);
+      }
+      if (t == 3) checkpoint = saved(on_device);  // syncs the device's counts first
+    }
+    EXPECT_EQ(on_device.skipped_steps(), on_host.skipped_steps());
+    EXPECT_EQ(on_device.skipped_steps(), 1);
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      EXPECT_EQ(on_device.skipped_steps(device[i]), on_host.skipped_steps(host[i])) << i;
+      EXPECT_EQ(state_of(on_device, device[i]).step(), state_of(on_host, host[i]).step()) << i;
+    }
+    // The checkpoint of step 4 holds the device's counts (save syncs them first).
+    std::vector<at::Tensor> resumed;
+    for (const auto& p : device) resumed.push_back(p.detach().clone().requires_grad_(true));
+    FoamAdam again(groups(resumed), folded);
+    load(again, checkpoint);
+    EXPECT_EQ(again.skipped_steps(), 1);
+    EXPECT_EQ(state_of(again, resumed[0]).step(), std::string(nonfinite) == "skip_step" ? 3 : 4);
+    EXPECT_EQ(state_of(again, resumed[1]).step(), 3);
   }
 }
 

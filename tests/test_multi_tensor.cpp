@@ -13,7 +13,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../src/optim/wavelet_adam_device.h"
+#include "../src/optim/device_steps.h"
 #include "bound_expect.h"
 #include "float_bound.h"
 #include "gwt/gwt.h"
@@ -353,7 +353,7 @@ TEST(MultiTensor, NonFiniteGradientsSkipAsTheReferenceDoes) {
   EXPECT_EQ(run.emulated[0].counts[mt::k_steps].item<int64_t>(), 4);
 }
 
-// WaveletAdam's own step through the device path (wavelet_adam_device.h: counts, skip counts and
+// WaveletAdam's own step through the device path (device_steps.h: counts, skip counts and
 // norms kept with the kernels, read back when asked), here with the kernels emulated on the host,
 // against the same optimizer on the CPU path: the same parameters (float64: within the rounding
 // bound's 1e-10 of |p| on one-sign rows, as above), the same skip counts and step counts, and a
@@ -361,8 +361,8 @@ TEST(MultiTensor, NonFiniteGradientsSkipAsTheReferenceDoes) {
 // device steps (the counts go back to the host and return) changes nothing either.
 TEST(MultiTensor, WaveletAdamOnTheDevicePathMatchesTheHostPath) {
   struct Emulation {
-    explicit Emulation(bool on) { gwt::wavelet_adam_detail::emulate_device_steps_on_cpu(on); }
-    ~Emulation() { gwt::wavelet_adam_detail::emulate_device_steps_on_cpu(false); }
+    explicit Emulation(bool on) { gwt::optim_detail::emulate_device_steps_on_cpu(on); }
+    ~Emulation() { gwt::optim_detail::emulate_device_steps_on_cpu(false); }
   };
   std::vector<Spec> specs = mixed_specs(7, {at::kDouble}, true);
   // A general wavelet with a threshold: its kept-detail counts come back from the device too.

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "optim/common.h"
-#include "optim/wavelet_adam_device.h"  // emulate_device_steps_on_cpu (tests)
+#include "optim/device_steps.h"  // emulate_device_steps_on_cpu (tests)
 #include "optimizer_traits.h"
 
 namespace gwt_python {
@@ -371,9 +371,9 @@ void bind_optimizers(py::module_& m) {
       },
       py::arg("groups"), py::arg("param"));
   // Tests only: the device path's kernels emulated on the host for CPU parameters
-  // (src/optim/wavelet_adam_device.h), so that the counts a step keeps on the device and their
+  // (src/optim/device_steps.h), so that the counts a step keeps on the device and their
   // sync are tested without a GPU.
-  m.def("_emulate_device_steps_on_cpu", &gwt::wavelet_adam_detail::emulate_device_steps_on_cpu,
+  m.def("_emulate_device_steps_on_cpu", &gwt::optim_detail::emulate_device_steps_on_cpu,
         py::arg("on"));
 }
 

@@ -14,6 +14,7 @@
 
 #include "checkpoint.h"
 #include "common.h"
+#include "device_steps.h"
 #include "foam_adam_detail.h"
 #include "group_checks.h"
 
@@ -193,6 +194,46 @@ bool nonfinite_skips_step(const std::vector<Work>& work) {
   return !optim_detail::all_finite(grads);
 }
 
+// The state of a parameter about to step: its own, or fresh zero moments (step 0).
+template <typename StateMap>
+FoamAdamParamState& state_of(StateMap& states, const Work& w) {
+  auto& slot = states[w.param.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto fresh = std::make_unique<FoamAdamParamState>();
+    const auto options =
+        w.param.options().dtype(foam_adam_detail::state_dtype(w.param, *w.options));
+    fresh->exp_avg(at::zeros(w.plan.state_shape, options));
+    fresh->exp_avg_sq(at::zeros(w.plan.state_shape, options));
+    slot = std::move(fresh);
+  }
+  return static_cast<FoamAdamParamState&>(*slot);
+}
+
+// The step in the multi-tensor kernels (device_steps.h) when every parameter can take them, all
+// on one device; false (nothing done) otherwise.
+template <typename StateMap>
+bool step_on_device(const std::vector<Work>& work, StateMap& states,
+                    std::shared_ptr<optim_detail::DeviceSteps>& device_steps) {
+  const c10::Device device = work.front().param.device();
+  for (const auto& w : work) {
+    auto it = states.find(w.param.unsafeGetTensorImpl());
+    const at::ScalarType moments =
+        it == states.end()
+            ? foam_adam_detail::state_dtype(w.param, *w.options)
+            : static_cast<const FoamAdamParamState&>(*it->second).exp_avg().scalar_type();
+    if (w.param.device() != device ||
+        !foam_adam_detail::device_eligible(w.param, *w.options, w.plan, moments))
+      return false;
+  }
+  std::vector<optim_detail::DeviceItem> items;
+  for (const auto& w : work)
+    items.push_back(
+        foam_adam_detail::device_item(w.param, state_of(states, w), *w.options, w.plan));
+  if (!device_steps) device_steps = std::make_shared<optim_detail::DeviceSteps>(k_who);
+  device_steps->step(items);
+  return true;
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -242,22 +283,22 @@ at::Tensor FoamAdam::step(LossClosure closure) {
   // Pass 1: check everything a caller can get wrong; nothing has changed yet.
   const std::vector<Work> work = checked_work(param_groups(), state_);
   if (work.empty()) return loss;
+  // CUDA: when every parameter of the step can take the multi-tensor kernels, one step of them,
+  // deciding on the device what the loop below decides on the host (a skipped first step keeps
+  // the fresh, zero state with step 0, as "skip_param" does). Otherwise the host's counts are
+  // brought up to date and the step goes on below.
+  if (step_on_device(work, state_, device_steps_)) return loss;
+  if (device_steps_ && !device_steps_->empty()) {
+    sync_device_steps();
+    device_steps_->clear();
+  }
   if (nonfinite_skips_step(work)) {
     ++skipped_steps_;
     return loss;
   }
   bool skipped_any = false;
   for (const auto& w : work) {
-    auto& slot = state_[w.param.unsafeGetTensorImpl()];
-    if (!slot) {
-      auto fresh = std::make_unique<FoamAdamParamState>();
-      const auto options =
-          w.param.options().dtype(foam_adam_detail::state_dtype(w.param, *w.options));
-      fresh->exp_avg(at::zeros(w.plan.state_shape, options));
-      fresh->exp_avg_sq(at::zeros(w.plan.state_shape, options));
-      slot = std::move(fresh);
-    }
-    auto& state = static_cast<FoamAdamParamState&>(*slot);
+    auto& state = state_of(state_, w);
     if (w.per_param &&
         !optim_detail::all_finite({optim_detail::grad_for_finite_check(w.param, w.param.grad())})) {
       state.skipped(state.skipped() + 1);
@@ -280,6 +321,7 @@ constexpr const char* k_format = "gwt.FoamAdam.v1";
 }  // namespace
 
 void FoamAdam::save(torch::serialize::OutputArchive& archive) const {
+  sync_device_steps();
   optim_detail::save_checkpoint<FoamAdamOptions, FoamAdamParamState>(
       *this, archive, k_format, {{"skipped_steps", skipped_steps_}});
   optim_detail::save_param_digests(*this, archive);
@@ -305,6 +347,7 @@ void FoamAdam::load(torch::serialize::InputArchive& archive) {
         foam_adam_detail::check_options_fit(param, options, next_step);
       });
   skipped_steps_ = counters.at("skipped_steps");
+  if (device_steps_) device_steps_->clear();  // the loaded counts are the host's
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -325,7 +368,28 @@ int64_t FoamAdam::state_bytes() const {
   return bytes;
 }
 
+void FoamAdam::sync_device_steps() const {
+  if (!device_steps_ || device_steps_->empty()) return;
+  // Logically const: the host's copy of the counts catches up with the device's.
+  auto& states = const_cast<FoamAdam&>(*this).state_;
+  device_steps_->sync(
+      [&states](const void* key, optim_detail::DeviceSlots& slots) {
+        auto it = states.find(const_cast<void*>(key));
+        if (it == states.end()) return false;
+        auto& state = static_cast<FoamAdamParamState&>(*it->second);
+        slots.step = &state.step(), slots.skipped = &state.skipped();
+        return true;
+      },
+      skipped_steps_);
+}
+
+int64_t FoamAdam::skipped_steps() const {
+  sync_device_steps();
+  return skipped_steps_;
+}
+
 int64_t FoamAdam::skipped_steps(const at::Tensor& param) const {
+  sync_device_steps();
   auto it = state_.find(param.unsafeGetTensorImpl());
   return it == state_.end() ? 0 : static_cast<const FoamAdamParamState&>(*it->second).skipped();
 }
@@ -352,8 +416,10 @@ bool FoamAdam::is_fused_param(const at::Tensor& param) const {
       it == state_.end()
           ? foam_adam_detail::state_dtype(param, o)
           : static_cast<const FoamAdamParamState&>(*it->second).exp_avg().scalar_type();
-  return foam_adam_detail::path_for(param, o, plan_for(param, o), moments) !=
-         foam_adam_detail::Path::reference;
+  const Plan plan = plan_for(param, o);
+  if (!param.device().is_cpu())
+    return foam_adam_detail::device_kernel_takes(param, o, plan, moments);
+  return foam_adam_detail::path_for(param, o, plan, moments) != foam_adam_detail::Path::reference;
 }
 
 }  // namespace gwt

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "device_steps.h"
 #include "gwt/optim/foam_adam.h"
 
 namespace gwt {
@@ -60,6 +61,21 @@ enum class Path { reference, folded, dense };
 /// dtype. Everything else (another `dim`, another device) takes the readable reference.
 Path path_for(const at::Tensor& param, const FoamAdamOptions& o, const Plan& plan,
               at::ScalarType moments);
+
+/// Whether the multi-tensor kernels (device_steps.h) take `param`'s step on its device: a CUDA
+/// parameter (or a CPU one while they are emulated), fused(true), folded along its last dimension
+/// or dense, contiguous, with moments of its math dtype or bfloat16.
+bool device_kernel_takes(const at::Tensor& param, const FoamAdamOptions& o, const Plan& plan,
+                         at::ScalarType moments);
+
+/// device_kernel_takes, and a contiguous gradient of the parameter's dtype on its device: the step
+/// can run there.
+bool device_eligible(const at::Tensor& param, const FoamAdamOptions& o, const Plan& plan,
+                     at::ScalarType moments);
+
+/// The multi-tensor kernels' description of `param`'s step (device_eligible).
+optim_detail::DeviceItem device_item(const at::Tensor& param, FoamAdamParamState& state,
+                                     const FoamAdamOptions& o, const Plan& plan);
 
 /// One parameter's step in the kernel `path` names (not Path::reference), `step_size` this step's
 /// lr times bias correction: the reference's rule, with its order of operations, in one pass.

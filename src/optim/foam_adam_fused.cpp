@@ -33,6 +33,47 @@ Path path_for(const at::Tensor& param, const FoamAdamOptions& o, const Plan& pla
   return (t == at::kFloat || t == at::kDouble) && moments == t ? Path::dense : Path::reference;
 }
 
+bool device_kernel_takes(const at::Tensor& param, const FoamAdamOptions& o, const Plan& plan,
+                         at::ScalarType moments) {
+  const at::ScalarType t = param.scalar_type();
+  const bool floating = t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+  const bool moments_ok = moments == compute_dtype(param) || moments == at::kBFloat16;
+  const bool along_last = !plan.folded || plan.dim < 0 || plan.dim == param.dim() - 1;
+  return o.fused() && floating && moments_ok && along_last && param.numel() > 0 &&
+         param.is_contiguous() && optim_detail::device_steps_run_on(param.device());
+}
+
+bool device_eligible(const at::Tensor& param, const FoamAdamOptions& o, const Plan& plan,
+                     at::ScalarType moments) {
+  const at::Tensor& g = param.grad();
+  return device_kernel_takes(param, o, plan, moments) && g.device() == param.device() &&
+         g.scalar_type() == param.scalar_type() && g.is_contiguous() && g.layout() == at::kStrided;
+}
+
+optim_detail::DeviceItem device_item(const at::Tensor& param, FoamAdamParamState& state,
+                                     const FoamAdamOptions& o, const Plan& plan) {
+  namespace mt = kernels::mt;
+  optim_detail::DeviceItem item;
+  item.param = param, item.exp_avg = state.exp_avg(), item.exp_avg_sq = state.exp_avg_sq();
+  item.slots.step = &state.step(), item.slots.skipped = &state.skipped();
+  mt::TensorMeta& t = item.meta;
+  if (plan.folded) {  // along the last dimension (device_eligible); a 0-dim one: one value
+    t.n = param.dim() == 0 ? 1 : param.size(-1);
+    t.rows = param.numel() / t.n;
+    mt::complete_foam_meta(t, o.level());
+  } else {
+    t.kind = mt::Kind::dense;
+    t.n = param.numel();
+    t.rows = 1;
+  }
+  std::tie(t.beta1, t.beta2) = o.betas();
+  t.eps = o.eps(), t.lr = o.lr(), t.weight_decay = o.weight_decay();
+  t.scale = o.scale(), t.res_scale = o.res_scale(), t.gamma = 0;
+  t.correct_bias = o.correct_bias();
+  t.skip_param = o.nonfinite() == "skip_param";
+  return item;
+}
+
 namespace {
 
 // The gradient as the reference reads it (param.grad().to(math)), contiguous: a float16/bfloat16

@@ -9,15 +9,16 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <tuple>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "common.h"
+#include "device_steps.h"
 #include "gwt/wavelet.h"
 #include "kernels/kernels.h"
 #include "wavelet_adam_detail.h"
-#include "wavelet_adam_device.h"
 #include "wavelet_adam_step.h"
 
 namespace gwt {
@@ -67,17 +68,15 @@ void update_param(const Work& work) {
     reference_update(work, state, step_size);
 }
 
-// Whether a parameter's step can run in the multi-tensor CUDA kernels (wavelet_adam_device.h):
+// Whether a parameter's step can run in the multi-tensor CUDA kernels (device_steps.h):
 // fused Haar or dense, contiguous, its gradient of its dtype, on `device`.
 bool device_eligible(const Work& w, const c10::Device& device) {
   const at::Tensor& p = w.param;
   const at::Tensor& g = p.grad();
   const bool haar = w.path == Path::haar, dense = !w.plan.wavelet && w.options->fused();
   const bool general = w.path == Path::general;
-  const bool runs = device.is_cpu() ? wavelet_adam_detail::device_steps_emulated()
-                                    : device.is_cuda() && kernels::built_with_cuda() &&
-                                          kernels::cuda_kernels_run_on(device.index());
-  return p.device() == device && (haar || dense || general) && runs && p.is_contiguous() &&
+  return p.device() == device && (haar || dense || general) &&
+         optim_detail::device_steps_run_on(device) && p.is_contiguous() &&
          g.scalar_type() == p.scalar_type() && g.is_contiguous() && g.layout() == at::kStrided;
 }
 
@@ -159,30 +158,60 @@ bool all_device_eligible(const std::vector<Work>& work) {
                      [&](const Work& w) { return device_eligible(w, first_device); });
 }
 
+// A parameter's step as the multi-tensor kernels take it: its kind and geometry (Haar, general
+// rows or dense), its options' values, and where its counts, limiter norm and kept details live.
+optim_detail::DeviceItem device_item(const Work& w) {
+  namespace mt = kernels::mt;
+  const WaveletAdamOptions& o = *w.options;
+  WaveletAdamParamState& state = *w.state;
+  const at::Tensor& p = w.param;
+  optim_detail::DeviceItem item;
+  item.param = p, item.exp_avg = state.exp_avg(), item.exp_avg_sq = state.exp_avg_sq();
+  item.slots.step = &state.step(), item.slots.skipped = &state.skipped();
+  item.slots.kept_details = &state.kept_details();
+  item.slots.total_details = &state.total_details();
+  mt::TensorMeta& t = item.meta;
+  if (w.path == Path::general) {
+    item.general = general_args(w, 0.0);
+    t.kind = mt::Kind::general;
+    t.n = item.general.n, t.rows = item.general.rows, t.approx_len = item.general.approx_len;
+  } else if (w.path == Path::haar) {
+    t.n = p.size(-1);
+    t.rows = p.numel() / t.n;
+    t.two_d = w.plan.two_d;
+    if (t.two_d) t.height = p.size(-2);
+    mt::complete_haar_meta(t, o.level());
+  } else {
+    t.kind = mt::Kind::dense;
+    t.n = p.numel();
+    t.rows = 1;
+  }
+  const bool limiter = t.kind != mt::Kind::dense && o.norm_growth_limit() > 0;
+  if (limiter) item.slots.norm = &state.norm();
+  std::tie(t.beta1, t.beta2) = o.betas();
+  t.eps = o.eps(), t.lr = o.lr(), t.weight_decay = o.weight_decay(), t.scale = o.scale();
+  t.gamma = limiter ? o.norm_growth_limit() : 0.0;
+  t.correct_bias = o.correct_bias();
+  t.skip_param = o.nonfinite() == "skip_param";
+  return item;
+}
+
 // The step in the multi-tensor kernels (all_device_eligible), which decide on the device what
 // step_params decides on the host; the fresh states are committed first. `State` is the
 // optimizer's state map.
 template <typename State>
 void step_on_device(std::vector<Work>& work, State& state,
-                    std::shared_ptr<wavelet_adam_detail::DeviceSteps>& device_steps) {
-  std::vector<wavelet_adam_detail::DeviceItem> items;
-  using Rule = wavelet_adam_detail::DeviceItem::Rule;
+                    std::shared_ptr<optim_detail::DeviceSteps>& device_steps) {
+  std::vector<optim_detail::DeviceItem> items;
   for (auto& w : work) {
     if (w.fresh_state) state[w.param.unsafeGetTensorImpl()] = std::move(w.fresh_state);
-    wavelet_adam_detail::DeviceItem item;
-    item.param = w.param, item.options = w.options, item.state = w.state;
-    item.two_d = w.plan.two_d;
-    item.rule = w.path == Path::haar      ? Rule::haar
-                : w.path == Path::general ? Rule::general
-                                          : Rule::dense;
-    if (item.rule == Rule::general) {
+    if (w.path == Path::general) {
       w.grad = w.param.grad();  // of the parameter's dtype and contiguous (device_eligible)
       w.wavelet = &wavelet_named(w.options->wavelet());
-      item.general = general_args(w, 0.0);
     }
-    items.push_back(std::move(item));
+    items.push_back(device_item(w));
   }
-  if (!device_steps) device_steps = std::make_shared<wavelet_adam_detail::DeviceSteps>();
+  if (!device_steps) device_steps = std::make_shared<optim_detail::DeviceSteps>("gwt::WaveletAdam");
   device_steps->step(items);
 }
 
@@ -371,10 +400,14 @@ void WaveletAdam::sync_device_steps() const {
   // Logically const: the host's copy of the counts catches up with the device's.
   auto& self = const_cast<WaveletAdam&>(*this);
   device_steps_->sync(
-      [&self](const void* key) -> WaveletAdamParamState* {
+      [&self](const void* key, optim_detail::DeviceSlots& slots) {
         auto it = self.state_.find(const_cast<void*>(key));
-        return it == self.state_.end() ? nullptr
-                                       : static_cast<WaveletAdamParamState*>(it->second.get());
+        if (it == self.state_.end()) return false;
+        auto& state = static_cast<WaveletAdamParamState&>(*it->second);
+        slots.step = &state.step(), slots.skipped = &state.skipped(), slots.norm = &state.norm();
+        slots.kept_details = &state.kept_details();
+        slots.total_details = &state.total_details();
+        return true;
       },
       skipped_steps_);
 }

@@ -11,9 +11,9 @@
 
 #include "checkpoint.h"
 #include "common.h"
+#include "device_steps.h"
 #include "gwt/optim/wavelet_adam.h"
 #include "wavelet_adam_detail.h"
-#include "wavelet_adam_device.h"
 
 namespace gwt {
 

@@ -10,11 +10,16 @@
 #include <torch/serialize/archive.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
 namespace gwt {
+
+namespace optim_detail {
+class DeviceSteps;
+}  // namespace optim_detail
 
 /// Options of gwt::FoamAdam, fluent like torch::optim::AdamWOptions.
 ///
@@ -124,13 +129,13 @@ class FoamAdam : public torch::optim::Optimizer {
   int64_t state_bytes(const at::Tensor& param) const;
   /// Whether `param` takes the folded path under its group's options.
   bool is_folded_param(const at::Tensor& param) const;
-  /// Whether `param`'s step runs in a fused kernel (else the ATen reference): fused(true), on the
-  /// CPU, contiguous, float32/float64/float16/bfloat16, and folded along its last dimension, or
-  /// dense with moments of its own float32/float64 dtype.
+  /// Whether `param`'s step runs in a fused kernel (else the ATen reference): fused(true),
+  /// contiguous, float32/float64/float16/bfloat16, and folded along its last dimension, or dense
+  /// (on the CPU with moments of its own float32/float64 dtype; on a CUDA device any).
   bool is_fused_param(const at::Tensor& param) const;
   /// Steps skipped because a gradient was not finite (with "skip_param" groups: steps in which
   /// at least one parameter was skipped).
-  int64_t skipped_steps() const { return skipped_steps_; }
+  int64_t skipped_steps() const;
   /// Steps `param` skipped alone for a non-finite gradient of its own, in a "skip_param" group
   /// (whole-step skips are counted by skipped_steps() only).
   int64_t skipped_steps(const at::Tensor& param) const;
@@ -138,7 +143,12 @@ class FoamAdam : public torch::optim::Optimizer {
   const FoamAdamOptions& group_options(size_t i) const;
 
  private:
-  int64_t skipped_steps_ = 0;
+  // Brings the host's step and skip counts of CUDA parameters up from the device.
+  void sync_device_steps() const;
+
+  mutable int64_t skipped_steps_ = 0;
+  // The multi-tensor step of CUDA parameters (src/optim/device_steps.h).
+  std::shared_ptr<optim_detail::DeviceSteps> device_steps_;
 };
 
 /// Throws a TORCH_CHECK error naming the first invalid option (and what would be valid).

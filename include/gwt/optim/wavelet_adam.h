@@ -17,9 +17,9 @@
 
 namespace gwt {
 
-namespace wavelet_adam_detail {
+namespace optim_detail {
 class DeviceSteps;
-}  // namespace wavelet_adam_detail
+}  // namespace optim_detail
 namespace distributed {
 class ShardedWaveletAdam;
 }
@@ -174,8 +174,8 @@ class WaveletAdam : public torch::optim::Optimizer {
   void sync_device_steps() const;
 
   mutable int64_t skipped_steps_ = 0;
-  // The multi-tensor step of CUDA parameters (src/optim/wavelet_adam_device.h).
-  std::shared_ptr<wavelet_adam_detail::DeviceSteps> device_steps_;
+  // The multi-tensor step of CUDA parameters (src/optim/device_steps.h).
+  std::shared_ptr<optim_detail::DeviceSteps> device_steps_;
   // Scratch of the fused Haar CPU passes (kernels::HaarAdamArgs::carry), at most 4 MB, kept
   // between steps; not optimizer state.
   std::vector<float> carry_;

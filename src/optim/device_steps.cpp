@@ -1,4 +1,4 @@
-#include "wavelet_adam_device.h"
+#include "device_steps.h"
 
 #include <c10/core/DeviceGuard.h>
 
@@ -8,14 +8,16 @@
 
 #include <atomic>
 #include <cstring>
+#include <string>
 #include <tuple>
+#include <utility>
 
 #include "common.h"
 #include "kernels/shared/multi_tensor.h"
 #include "kernels/shared/multi_tensor_emulate.h"
 
 namespace gwt {
-namespace wavelet_adam_detail {
+namespace optim_detail {
 
 namespace mt = kernels::mt;
 
@@ -35,7 +37,7 @@ struct DeviceSteps::Impl {
   at::Tensor device_metadata;
 };
 
-DeviceSteps::DeviceSteps() : impl_(std::make_unique<Impl>()) {}
+DeviceSteps::DeviceSteps(std::string who) : who_(std::move(who)), impl_(std::make_unique<Impl>()) {}
 DeviceSteps::~DeviceSteps() = default;
 
 bool DeviceSteps::empty() const {
@@ -58,39 +60,6 @@ bool capturing() {
 #endif
 }
 
-mt::TensorMeta meta_of(const DeviceItem& item, const at::Tensor& counts) {
-  const WaveletAdamOptions& o = *item.options;
-  const at::Tensor& p = item.param;
-  mt::TensorMeta t;
-  if (item.rule == DeviceItem::Rule::general) {
-    t.n = item.general.n;
-    t.rows = item.general.rows;
-    t.approx_len = item.general.approx_len;
-  } else if (item.rule == DeviceItem::Rule::haar) {
-    t.n = p.size(-1);
-    t.rows = p.numel() / t.n;
-    t.two_d = item.two_d;
-    if (t.two_d) t.height = p.size(-2);
-    mt::complete_haar_meta(t, o.level());
-  } else {
-    t.kind = mt::Kind::dense;
-    t.n = p.numel();
-    t.rows = 1;
-  }
-  t.param = p.data_ptr();
-  t.grad = p.grad().data_ptr();
-  t.exp_avg = item.state->exp_avg().data_ptr();
-  t.exp_avg_sq = item.state->exp_avg_sq().data_ptr();
-  t.norm = item.state->norm().defined() ? item.state->norm().data_ptr() : nullptr;
-  t.counts = counts.data_ptr<int64_t>();
-  std::tie(t.beta1, t.beta2) = o.betas();
-  t.eps = o.eps(), t.lr = o.lr(), t.weight_decay = o.weight_decay(), t.scale = o.scale();
-  t.gamma = item.rule == DeviceItem::Rule::dense ? 0.0 : o.norm_growth_limit();
-  t.correct_bias = o.correct_bias();
-  t.skip_param = o.nonfinite() == "skip_param";
-  return t;
-}
-
 }  // namespace
 
 void DeviceSteps::step(const std::vector<DeviceItem>& items) {
@@ -99,9 +68,8 @@ void DeviceSteps::step(const std::vector<DeviceItem>& items) {
   const c10::DeviceGuard guard(device);
   const bool graph = device.is_cuda() && capturing();
   Impl& d = *impl_;
-  auto first_use = [graph](const char* what) {
-    TORCH_CHECK(!graph, "gwt::WaveletAdam: a CUDA graph is being captured, and this step needs ",
-                what,
+  auto first_use = [graph, this](const char* what) {
+    TORCH_CHECK(!graph, who_, ": a CUDA graph is being captured, and this step needs ", what,
                 " first; run one step before the capture (warm-up) with the same parameters, "
                 "gradients and options");
   };
@@ -109,12 +77,11 @@ void DeviceSteps::step(const std::vector<DeviceItem>& items) {
     first_use("the optimizer's device flags");
     d.flags = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
   }
-  // The counts of parameters new to the device, in one copy (the Python package makes a fresh
-  // optimizer, and so this, at every step).
+  // The counts of parameters new to the device, in one copy.
   std::vector<int64_t> fresh;
   for (const DeviceItem& item : items)
     if (d.counts.count(item.param.unsafeGetTensorImpl()) == 0)
-      fresh.insert(fresh.end(), {item.state->step(), item.state->skipped()});
+      fresh.insert(fresh.end(), {*item.slots.step, *item.slots.skipped});
   if (!fresh.empty()) {
     first_use("the parameters' step counts on the device");
     const int64_t k = static_cast<int64_t>(fresh.size()) / 2;
@@ -126,21 +93,24 @@ void DeviceSteps::step(const std::vector<DeviceItem>& items) {
   }
   mt::Planner planner;
   for (const DeviceItem& item : items) {
-    const auto it = d.counts.find(item.param.unsafeGetTensorImpl());
+    at::Tensor* norm = item.slots.norm;
     // The limiter's saved norm lives on the device in the math type; -1: none yet.
-    if (item.rule != DeviceItem::Rule::dense && item.options->norm_growth_limit() > 0 &&
-        !(item.state->norm().defined() && item.state->norm().device() == device)) {
+    if (norm != nullptr && !(norm->defined() && norm->device() == device)) {
       first_use("the limiter's norm on the device");
       const auto math = item.param.options().dtype(optim_detail::compute_dtype(item.param));
-      item.state->norm(item.state->norm().defined() ? item.state->norm().to(math).reshape({})
-                                                    : at::full({}, -1.0, math));
+      *norm = norm->defined() ? norm->to(math).reshape({}) : at::full({}, -1.0, math);
     }
-    const at::ScalarType state = item.state->exp_avg().scalar_type();
     const mt::GroupKey key{optim_detail::kind_of(item.param.scalar_type()),
-                           optim_detail::kind_of(state),
+                           optim_detail::kind_of(item.exp_avg.scalar_type()),
                            optim_detail::compute_dtype(item.param) == at::kDouble};
-    mt::TensorMeta meta = meta_of(item, it->second);
-    if (item.rule != DeviceItem::Rule::general) {
+    mt::TensorMeta meta = item.meta;
+    meta.param = item.param.data_ptr();
+    meta.grad = item.param.grad().data_ptr();
+    meta.exp_avg = item.exp_avg.data_ptr();
+    meta.exp_avg_sq = item.exp_avg_sq.data_ptr();
+    meta.norm = norm != nullptr ? norm->data_ptr() : nullptr;
+    meta.counts = d.counts.at(item.param.unsafeGetTensorImpl()).data_ptr<int64_t>();
+    if (meta.kind != mt::Kind::general) {
       planner.add(key, meta);
       continue;
     }
@@ -188,40 +158,42 @@ void DeviceSteps::step(const std::vector<DeviceItem>& items) {
                              static_cast<mt::StepFlags*>(d.flags.data_ptr()));
 }
 
-void DeviceSteps::sync(const std::function<WaveletAdamParamState*(const void*)>& state_of,
+void DeviceSteps::sync(const std::function<bool(const void*, DeviceSlots&)>& slots_of,
                        int64_t& skipped_steps) {
   Impl& d = *impl_;
   // Everything the host needs gathered on the device, then one copy: counts, norms (as double),
   // kept details, and the optimizer's skipped steps.
-  std::vector<WaveletAdamParamState*> states;
+  std::vector<DeviceSlots> slots;
   std::vector<at::Tensor> counts, values;
   std::vector<int64_t> kept_total;
   for (const auto& [key, c] : d.counts) {
-    WaveletAdamParamState* state = state_of(key);
-    if (state == nullptr) continue;
-    states.push_back(state);
+    DeviceSlots s;
+    if (!slots_of(key, s)) continue;
+    slots.push_back(s);
     counts.push_back(c);
-    const at::Tensor& norm = state->norm();
-    values.push_back(norm.defined() ? norm.to(c.device(), at::kDouble).reshape({})
-                                    : at::zeros({}, c.options().dtype(at::kDouble)));
+    const bool has_norm = s.norm != nullptr && s.norm->defined();
+    values.push_back(has_norm ? s.norm->to(c.device(), at::kDouble).reshape({})
+                              : at::zeros({}, c.options().dtype(at::kDouble)));
     auto kept = d.kept.find(key);
     const bool has_kept = kept != d.kept.end();
     values.push_back(has_kept ? kept->second.per_row.sum().to(at::kDouble)
                               : at::zeros({}, c.options().dtype(at::kDouble)));
     kept_total.push_back(has_kept ? kept->second.total : -1);
   }
-  if (!states.empty()) {
+  if (!slots.empty()) {
     const at::Tensor host_counts = at::stack(counts).cpu();
     const at::Tensor host_values = at::stack(values).cpu();
     const int64_t* count = host_counts.const_data_ptr<int64_t>();
     const double* value = host_values.const_data_ptr<double>();
-    for (size_t i = 0; i < states.size(); ++i) {
-      WaveletAdamParamState& state = *states[i];
-      state.step(count[2 * i + mt::k_steps]);
-      state.skipped(count[2 * i + mt::k_skipped]);
-      if (state.norm().defined() && value[2 * i] < 0) state.norm(at::Tensor());  // none yet
-      if (kept_total[i] >= 0 && state.step() > 0)
-        state.kept_details(static_cast<int64_t>(value[2 * i + 1])).total_details(kept_total[i]);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const DeviceSlots& s = slots[i];
+      *s.step = count[2 * i + mt::k_steps];
+      *s.skipped = count[2 * i + mt::k_skipped];
+      if (s.norm != nullptr && s.norm->defined() && value[2 * i] < 0) *s.norm = at::Tensor();
+      if (kept_total[i] >= 0 && *s.step > 0 && s.kept_details != nullptr) {
+        *s.kept_details = static_cast<int64_t>(value[2 * i + 1]);
+        *s.total_details = kept_total[i];
+      }
     }
   }
   if (d.flags.defined()) {
@@ -229,6 +201,12 @@ void DeviceSteps::sync(const std::function<WaveletAdamParamState*(const void*)>&
     skipped_steps += d.flags[1].item<int64_t>();
     d.flags[1].zero_();
   }
+}
+
+bool device_steps_run_on(const c10::Device& device) {
+  return device.is_cpu() ? device_steps_emulated()
+                         : device.is_cuda() && kernels::built_with_cuda() &&
+                               kernels::cuda_kernels_run_on(device.index());
 }
 
 void emulate_device_steps_on_cpu(bool on) {
@@ -239,5 +217,5 @@ bool device_steps_emulated() {
   return emulated.load();
 }
 
-}  // namespace wavelet_adam_detail
+}  // namespace optim_detail
 }  // namespace gwt
