@@ -50,6 +50,9 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+// FoamAdam on `device` against the CPU reference (gpu_check_foam.cpp).
+bool check_foam(const at::Device& device);
+
 namespace {
 
 at::Device g_device = at::kCUDA;
@@ -418,6 +421,8 @@ void bench(int which, int steps, std::vector<Row>& rows) {
   if (g_device.is_cuda()) wavelet("WaveletAdam_haar_L2_graph", "haar", 2, true);
   wavelet("WaveletAdam_haar_L1", "haar", 1, false);
   wavelet("WaveletAdam_db2_L2", "db2", 2, false);
+  gwt::FoamAdam foam(params, gwt::FoamAdamOptions(1e-3).level(2).weight_decay(0.01));
+  add("FoamAdam_L2", 16.0 + 16.0 / 4, [&] { foam.step(); });  // g twice (norm launch), p, moments
 }
 
 // The table: each row's time and its ratio to at::_fused_adamw_ on the same set in this run, and
@@ -531,7 +536,7 @@ int main(int argc, char** argv) {
     ok = check_case("db2", at::kFloat, 2, {96, 48}, true) && ok;
     ok = check_deterministic("db2") && ok;
   }
-  if (only.empty()) ok = check_many() && ok;
+  if (only.empty()) ok = check_many() && check_foam(g_device) && ok;
 #ifdef GWT_GPU_CHECK_CUDA
   if (g_device.is_cuda() && only.empty()) {
     ok = check_no_sync() && ok;
