@@ -37,6 +37,7 @@
 
 #include "../src/optim/device_steps.h"
 #include "../tests/float_bound.h"
+#include "gpu_check_steps.h"
 #include "gwt/gwt.h"
 #include "kernels/kernels.h"
 #include "workloads.h"
@@ -218,27 +219,15 @@ bool check_many() {
                             std::make_unique<gwt::WaveletAdamOptions>(o.fused(false)));
   }
   gwt::WaveletAdam dev_opt(dev_groups), ref_opt(ref_groups);
-  bool ok = true;
   double worst = 0;
-  for (int t = 0; t < 5; ++t) {
-    for (size_t i = 0; i < dev.size(); ++i) {
-      at::Tensor g = gwt_test::well_conditioned_gradients(
-          dev[i].sizes(), 1, 100 * t + i, at::kDouble,
-          dev[i].dim() == 2 && dev[i].size(0) == dev[i].size(1))[0];
-      if (t == 2 && i == 4) g.view(-1)[0] = NAN;  // "skip_param": tensor 4 alone
-      if (t == 3 && i == 7) g.view(-1)[1] = NAN;  // "skip_step": the whole step
-      dev[i].mutable_grad() = g.to(g_device);
-      ref[i].mutable_grad() = g;
-    }
-    dev_opt.step(), ref_opt.step();
-    for (size_t i = 0; i < dev.size(); ++i) {
-      const at::Tensor d = dev[i].detach().cpu(), r = ref[i].detach();
-      const double err = (d - r).abs().max().item<double>() / r.abs().max().item<double>();
-      worst = std::max(worst, err);
-      ok = ok && err <= 1e-10 && dev_opt.skipped_steps(dev[i]) == ref_opt.skipped_steps(ref[i]);
-    }
-    ok = ok && dev_opt.skipped_steps() == ref_opt.skipped_steps();
-  }
+  const bool ok = gwt_gpu_check::compare_steps(
+      dev_opt, ref_opt, dev, ref,
+      [&dev](int t, size_t i) {
+        return gwt_test::well_conditioned_gradients(
+            dev[i].sizes(), 1, 100 * t + static_cast<int64_t>(i), at::kDouble,
+            dev[i].dim() == 2 && dev[i].size(0) == dev[i].size(1))[0];
+      },
+      worst);
   std::printf(
       "%s check 56 tensors of mixed shapes and paths in one step (2 skips): worst "
       "relative error %.3g, skipped steps %lld\n",

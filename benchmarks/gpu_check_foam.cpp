@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "gpu_check_steps.h"
 #include "gwt/gwt.h"
 
 bool check_foam(const at::Device& device) {
@@ -38,27 +39,14 @@ bool check_foam(const at::Device& device) {
         std::make_unique<gwt::FoamAdamOptions>(gwt::FoamAdamOptions(o).fused(false)));
   }
   gwt::FoamAdam dev_opt(dev_groups), ref_opt(ref_groups);
-  bool ok = true;
   double worst = 0;
-  for (int t = 0; t < 5; ++t) {
-    at::manual_seed(100 + t);
-    for (size_t i = 0; i < dev.size(); ++i) {
-      at::Tensor g = at::randn(dev[i].sizes(), at::kDouble) * (1 + t);
-      if (t == 2 && i == 4) g.view(-1)[0] = NAN;  // "skip_param": tensor 4 alone
-      if (t == 3 && i == 7) g.view(-1)[1] = NAN;  // "skip_step": the whole step
-      dev[i].mutable_grad() = g.to(device);
-      ref[i].mutable_grad() = g;
-    }
-    dev_opt.step(), ref_opt.step();
-    for (size_t i = 0; i < dev.size(); ++i) {
-      // float64 on both sides, a few roundings per value and step: ~1e-15 relative.
-      const at::Tensor d = dev[i].detach().cpu(), r = ref[i].detach();
-      const double err = (d - r).abs().max().item<double>() / r.abs().max().item<double>();
-      worst = std::max(worst, err);
-      ok = ok && err <= 1e-10 && dev_opt.skipped_steps(dev[i]) == ref_opt.skipped_steps(ref[i]);
-    }
-    ok = ok && dev_opt.skipped_steps() == ref_opt.skipped_steps();
-  }
+  const bool ok = gwt_gpu_check::compare_steps(
+      dev_opt, ref_opt, dev, ref,
+      [&dev](int t, size_t i) {
+        at::manual_seed(100 * t + static_cast<int64_t>(i));
+        return at::randn(dev[i].sizes(), at::kDouble) * (1 + t);
+      },
+      worst);
   std::printf(
       "%s check FoamAdam, 28 tensors of mixed shapes, levels and groups in one step (2 skips): "
       "worst relative error %.3g, skipped steps %lld\n",
