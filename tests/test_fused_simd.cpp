@@ -341,7 +341,9 @@ TEST(KernelSimd, HalfConversionsAreC10s) {
 // all finite (the most negative finite value, the smallest subnormal and -0 among them), then
 // NaN of either sign, +Inf and -Inf alone at the first and last element, on both sides of the
 // first chunk boundary and inside the third chunk (chunks of 65536 values are checked in
-// parallel), in lengths with and without a partial chunk or vector tail.
+// parallel), in each of the 4 streams a chunk is read as (16384 values each in a whole chunk, 768
+// in the last chunk of 200003) and in the tail after them, in lengths with and without a partial
+// chunk or vector tail.
 TEST(WaveletAdamKernels, AllFiniteFindsEveryNonFiniteValueInEveryDtype) {
   for (const auto dtype : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16}) {
     const auto kind = dtype == at::kDouble  ? gwt::kernels::ScalarKind::f64
@@ -370,7 +372,8 @@ TEST(WaveletAdamKernels, AllFiniteFindsEveryNonFiniteValueInEveryDtype) {
            {std::numeric_limits<double>::quiet_NaN(), -std::numeric_limits<double>::quiet_NaN(),
             std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()})
         for (const int64_t pos :
-             {int64_t{0}, n - 1, int64_t{65535}, int64_t{65536}, int64_t{150001}}) {
+             {int64_t{0}, n - 1, int64_t{65535}, int64_t{65536}, int64_t{150001}, int64_t{163845},
+              int64_t{180324}, int64_t{198922}}) {
           if (pos >= n) continue;
           at::Tensor y = x.clone();
           y[pos] = bad;

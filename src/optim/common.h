@@ -172,16 +172,21 @@ inline kernels::ScalarKind kind_of(at::ScalarType t) {
   }
 }
 
+/// Whether the CPU kernels check `t`'s values for finiteness (all_finite_cpu): a contiguous CPU
+/// tensor of a dtype they read.
+inline bool host_checkable(const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  return t.device().is_cpu() && t.is_contiguous() &&
+         (s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16);
+}
+
 /// Whether every tensor is finite: CPU tensors in one read each, others on their device with one
 /// synchronisation for all of them.
 inline bool all_finite(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> device_flags;
   for (const auto& t : tensors) {
-    const auto s = t.scalar_type();
-    const bool kernel_dtype =
-        s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16;
-    if (t.device().is_cpu() && t.is_contiguous() && kernel_dtype) {
-      if (!kernels::all_finite_cpu(t.data_ptr(), t.numel(), kind_of(s))) return false;
+    if (host_checkable(t)) {
+      if (!kernels::all_finite_cpu(t.data_ptr(), t.numel(), kind_of(t.scalar_type()))) return false;
     } else {
       device_flags.push_back(at::isfinite(t).all().to(tensors.front().device()));
     }

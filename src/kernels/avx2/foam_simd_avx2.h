@@ -10,8 +10,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
-#include "kernels/avx2/haar_simd_avx2.h"  // Spread, prefetch_line, k_per_line
+#include "kernels/avx2/haar_simd_avx2.h"  // prefetch_line, k_per_line
 #include "kernels/avx2/values8_avx2.h"
 
 namespace gwt {
@@ -21,7 +22,6 @@ namespace foam_simd {
 
 using simd::k_per_line;
 using simd::prefetch_line;
-using simd::Spread;
 using values8::load8;
 using values8::store8;
 
@@ -62,14 +62,23 @@ inline __m256 block_sums8(const __m256* x) {
   }
 }
 
-/// The values of one register of the group (K: which of its B registers): r = g - a,
-/// x = p + step * ((m + rho r) scale / (sqrt(v + rho^2 r^2) + eps)), then the decay.
+/// Lane j of register K of a group (values 8K..8K+7): the block its value is in.
+template <int B, int K>
+inline __m256i block_of_lanes() {
+  return _mm256_setr_epi32((8 * K) / B, (8 * K + 1) / B, (8 * K + 2) / B, (8 * K + 3) / B,
+                           (8 * K + 4) / B, (8 * K + 5) / B, (8 * K + 6) / B, (8 * K + 7) / B);
+}
+
+/// The values of one register of the group (K: which of its B registers), from the group's block
+/// means a and moments m, v (lane j: block j): r = g - a, x = p + step * ((m + rho r) scale /
+/// (sqrt(v + rho^2 r^2) + eps)), then the decay.
 template <int B, int K = 0, typename P>
-inline void elements8(const Regs& c, const __m256* g, P* p, const Spread<B>& a, const Spread<B>& m,
-                      const Spread<B>& v) {
-  const __m256 r = _mm256_sub_ps(g[K], a.template group<K>());
-  const __m256 first = _mm256_fmadd_ps(c.rho, r, m.template group<K>());
-  const __m256 second = _mm256_fmadd_ps(c.rho2, _mm256_mul_ps(r, r), v.template group<K>());
+inline void elements8(const Regs& c, const __m256* g, P* p, __m256 a, __m256 m, __m256 v) {
+  const __m256i at = block_of_lanes<B, K>();
+  const __m256 r = _mm256_sub_ps(g[K], _mm256_permutevar8x32_ps(a, at));
+  const __m256 first = _mm256_fmadd_ps(c.rho, r, _mm256_permutevar8x32_ps(m, at));
+  const __m256 second =
+      _mm256_fmadd_ps(c.rho2, _mm256_mul_ps(r, r), _mm256_permutevar8x32_ps(v, at));
   const __m256 u =
       _mm256_div_ps(_mm256_mul_ps(first, c.scale), _mm256_add_ps(_mm256_sqrt_ps(second), c.eps));
   __m256 x = _mm256_fmadd_ps(c.step, u, load8(p + 8 * K));
@@ -90,14 +99,16 @@ inline void update8(const Regs& c, const G* g, P* p, S* m, S* v) {
   }
   const __m256 a = _mm256_mul_ps(block_sums8<B>(x), c.inv_block);
   const __m256 s = _mm256_mul_ps(block_sums8<B>(x2), c.inv_block);
-  // The moments as stored, read back (a bfloat16 state rounds them).
-  store8(m, _mm256_fmadd_ps(c.b1, load8(m), _mm256_mul_ps(c.c1, a)));
-  store8(v, _mm256_fmadd_ps(c.b2, load8(v), _mm256_mul_ps(c.c2, s)));
-  alignas(32) float ordered[3][8];
-  _mm256_store_ps(ordered[0], Spread<B>::lane_order(a));
-  _mm256_store_ps(ordered[1], Spread<B>::lane_order(load8(m)));
-  _mm256_store_ps(ordered[2], Spread<B>::lane_order(load8(v)));
-  elements8<B>(c, x, p, Spread<B>(ordered[0]), Spread<B>(ordered[1]), Spread<B>(ordered[2]));
+  __m256 m_new = _mm256_fmadd_ps(c.b1, load8(m), _mm256_mul_ps(c.c1, a));
+  __m256 v_new = _mm256_fmadd_ps(c.b2, load8(v), _mm256_mul_ps(c.c2, s));
+  store8(m, m_new);
+  store8(v, v_new);
+  if constexpr (!std::is_same_v<S, float>) {
+    // The moments as stored, read back (a bfloat16 state rounds them).
+    m_new = load8(m);
+    v_new = load8(v);
+  }
+  elements8<B>(c, x, p, a, m_new, v_new);
 }
 
 }  // namespace foam_simd
