@@ -14,6 +14,8 @@
 set -euo pipefail
 
 GWT_TORCH_VERSION="${GWT_TORCH_VERSION:-2.15.0}"
+GWT_TRANSFORMERS_VERSION="${GWT_TRANSFORMERS_VERSION:-5.25.0}"  # Hugging Face Trainer example and test only
+GWT_ACCELERATE_VERSION="${GWT_ACCELERATE_VERSION:-1.16.0}"
 GWT_CACHE="${GWT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gwt}"
 GWT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -104,6 +106,11 @@ gwt_install_python_test_deps() {
   if ! "$GWT_PYTHON" -c "import pytest, pywt, scikit_build_core" 2>/dev/null; then
     gwt_log "installing pytest, PyWavelets and scikit-build-core into $(dirname "$(dirname "$GWT_PYTHON")")"
     "$GWT_PYTHON" -m pip install --quiet --no-cache-dir pytest PyWavelets "scikit-build-core>=0.10"
+  fi
+  # Only the Hugging Face Trainer example and its test use these (pinned: the Trainer's API moves).
+  if ! "$GWT_PYTHON" -c "import transformers, accelerate, sys; sys.exit(transformers.__version__ != '$GWT_TRANSFORMERS_VERSION' or accelerate.__version__ != '$GWT_ACCELERATE_VERSION')" 2>/dev/null; then
+    gwt_log "installing transformers $GWT_TRANSFORMERS_VERSION and accelerate $GWT_ACCELERATE_VERSION"
+    "$GWT_PYTHON" -m pip install --quiet --no-cache-dir "transformers==$GWT_TRANSFORMERS_VERSION" "accelerate==$GWT_ACCELERATE_VERSION"
   fi
 }
 
