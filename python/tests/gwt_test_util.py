@@ -2,6 +2,9 @@
 
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,3 +118,27 @@ def assert_same(py_params, opt, cpp_params, cpp_states, keys):
 
 WAVELET_KEYS = ("step", "exp_avg", "exp_avg_sq", "norm", "skipped", "kept_details",
                 "total_details")
+
+
+def run_torchrun(script, nproc=2, timeout=120):
+    """Runs `script` under torchrun with `nproc` ranks on this host (Gloo, CPU); returns its
+    output, or fails the test if it does not finish in `timeout` seconds (then torchrun and every
+    rank are killed) or exits non-zero."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):  # Gloo would pick the interface of the host's name
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    # --standalone: torchrun's own rendezvous on a free local port (a port picked here could be
+    # taken before torchrun binds it).
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(nproc), str(script)]
+    # A session of its own, so that a hang kills torchrun and every rank.
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s:\n{output}")
+    assert process.returncode == 0, output
+    return output

@@ -2,17 +2,14 @@
 with their own dispatch, meta tensors) are refused with an error that names them, before anything
 changes, by the optimizers and the transforms."""
 
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch.utils._pytree import tree_map
 
 import gwt
+from gwt_test_util import run_torchrun
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -113,23 +110,7 @@ def has_fully_shard():
                     "fully_shard")
 def test_fsdp2_parameters_are_refused_on_every_rank():
     """The report's case, under torchrun: it crashed both ranks with SIGSEGV."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if os.path.exists("/sys/class/net/lo"):  # Gloo would pick the interface of the host's name
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    # --standalone: torchrun's own rendezvous on a free local port (a port picked here could be
-    # taken before torchrun binds it).
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               "2", str(HERE / "fsdp2_step.py")]
-    # A session of its own, so that a hang kills torchrun and both ranks.
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun did not finish in 120 s:\n{output}")
-    assert process.returncode == 0, output
+    output = run_torchrun(HERE / "fsdp2_step.py")
     for rank in (0, 1):
         line = next((l for l in output.splitlines() if f"GWT_FSDP2_REFUSED rank={rank}:" in l), "")
         assert "TypeError: gwt.WaveletAdam: parameter 0 of group 0 (shape [32, 16]) is a DTensor" \
