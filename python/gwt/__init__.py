@@ -26,7 +26,7 @@ if _C._torch_version != torch.__version__:
         f"gwt: built against torch {_C._torch_version} but this is torch {torch.__version__}; "
         "rebuild it in this environment with `pip install --no-build-isolation ./python`")
 
-from . import distributed, nn
+from . import nn
 from .optim import FoamAdam, GaLoreAdam, WaveletAdam
 from .param_groups import (HEAD_NAMES, ParamAssignment, assign_param_groups, foam_param_groups,
                            paper_param_groups)
@@ -36,7 +36,6 @@ from .transform import (dwt, dwt_max_level, idwt, modes, threshold, wavedec, wav
 __version__ = _C.__version__
 
 __all__ = [
-    "distributed",
     "nn",
     "WaveletAdam",
     "GaLoreAdam",
@@ -58,3 +57,10 @@ __all__ = [
     "waverec2",
     "threshold",
 ]
+
+# The DDP communication hook (gwt.distributed) needs torch.distributed, which some torch builds
+# leave out.
+if torch.distributed.is_available():
+    from . import distributed  # noqa: E402
+
+    __all__.append("distributed")
