@@ -225,6 +225,9 @@ bool step_on_device(const std::vector<Work>& work, StateMap& states,
         !foam_adam_detail::device_eligible(w.param, *w.options, w.plan, moments))
       return false;
   }
+  // Only now, when every parameter qualifies, is a missing state created: the pass above only
+  // reads (a second lookup per parameter rather than a fresh state left behind by a step that
+  // then runs on the host).
   std::vector<optim_detail::DeviceItem> items;
   for (const auto& w : work)
     items.push_back(
