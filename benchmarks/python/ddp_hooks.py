@@ -27,7 +27,7 @@ import gwt.distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "python"))
-from train_lm import TinyLM, batches, load_text  # noqa: E402
+from train_lm import TinyLM, batches, load_text, validation_loss  # noqa: E402
 
 
 class ByteCounter:
@@ -89,12 +89,7 @@ def run(hook_name, data, val, args):
             losses.append(loss.item())
         sent = counter.bytes if hook_name != "allreduce" else full * args.steps
     ms = (time.perf_counter() - start) * 1e3 / args.steps
-    model.eval()
-    val_gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        val_loss = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
-                       for x, y in (batches(val, args.batch, args.seq_len, val_gen)
-                                    for _ in range(20))) / 20
+    val_loss = validation_loss(model, val, args.batch, args.seq_len)
     train_loss = sum(losses[-20:]) / 20
     return sent / args.steps, full, train_loss, val_loss, ms
 

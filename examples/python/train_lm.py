@@ -105,6 +105,16 @@ def state_bytes(opt):
                if isinstance(v, torch.Tensor))
 
 
+def validation_loss(model, val_data, batch, seq_len):
+    """Mean loss over 20 fixed batches (seed 2) of val_data, in eval mode."""
+    model.eval()
+    val_gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                  for x, y in (batches(val_data, batch, seq_len, val_gen) for _ in range(20))]
+    return sum(losses) / len(losses)
+
+
 def train(name, train_data, val_data, args):
     torch.manual_seed(0)
     model = TinyLM(seq_len=args.seq_len)
@@ -123,13 +133,7 @@ def train(name, train_data, val_data, args):
         if (step + 1) % max(1, args.steps // 5) == 0:
             print(f"  {name:8s} step {step + 1:4d}  train loss {loss.item():.3f}", flush=True)
     seconds = time.perf_counter() - start
-    model.eval()
-    val_gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
-                  for x, y in (batches(val_data, args.batch, args.seq_len, val_gen)
-                               for _ in range(20))]
-    return sum(losses) / len(losses), state_bytes(opt), seconds
+    return validation_loss(model, val_data, args.batch, args.seq_len), state_bytes(opt), seconds
 
 
 def main():

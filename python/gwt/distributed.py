@@ -140,7 +140,7 @@ def wavelet_hook(state: WaveletHookState,
     sketches: List[Tuple[int, _Sketch]] = []
     for i, g in enumerate(grads):
         math = _math_dtype(g)
-        state.bytes_full += g.numel() * torch.empty((), dtype=math).element_size()
+        state.bytes_full += g.numel() * (torch.finfo(math).bits // 8)
         if _compressible(g, state.level):
             s = _Sketch(g, state.level, math)
             residual = state.residual(params[i]) if state.error_feedback else None

@@ -327,7 +327,9 @@ inline void haar_adam_update(const HaarAdamArgs& args, double lim) {
 // and clang's may_alias; a memcpy per value defeated GCC 12's vectoriser). The result is the same
 // as x's own finiteness: a finite double is checked in double, never as a float.
 template <typename U, U Exponent>
-U exponent_hits(const U* bits, int64_t begin, int64_t end) {
+U exponent_hits(const void* data, int64_t begin, int64_t end) {
+  using Bits [[gnu::may_alias]] = U;
+  const Bits* bits = static_cast<const Bits*>(data);
   U hit = 0;
 #pragma omp simd reduction(| : hit)
   for (int64_t i = begin; i < end; ++i) hit |= static_cast<U>((bits[i] & Exponent) == Exponent);
@@ -340,8 +342,7 @@ U exponent_hits(const U* bits, int64_t begin, int64_t end) {
 // time of one stream (docs/performance.md#foamadam-2026-12-07).
 template <typename U, U Exponent>
 bool any_not_finite(const void* data, int64_t begin, int64_t end) {
-  using Bits [[gnu::may_alias]] = U;
-  const Bits* bits = static_cast<const Bits*>(data);
+  const char* bytes = static_cast<const char*>(data);
   constexpr int k_streams = 4;
   constexpr int64_t k_block = 1024 / sizeof(U), k_line = 64 / sizeof(U), k_ahead = 4096 / sizeof(U);
   const int64_t per_stream = (end - begin) / (k_streams * k_block) * k_block;
@@ -351,11 +352,11 @@ bool any_not_finite(const void* data, int64_t begin, int64_t end) {
       const int64_t b = begin + s * per_stream + i;
       // Past the data's end a prefetch is a hint that fetches nothing; it never faults.
       for (int64_t l = 0; l < k_block; l += k_line)
-        __builtin_prefetch(bits + b + k_ahead + l, 0, 3);
-      hit |= exponent_hits<U, Exponent>(bits, b, b + k_block);
+        __builtin_prefetch(bytes + (b + k_ahead + l) * static_cast<int64_t>(sizeof(U)), 0, 3);
+      hit |= exponent_hits<U, Exponent>(data, b, b + k_block);
     }
   }
-  hit |= exponent_hits<U, Exponent>(bits, begin + k_streams * per_stream, end);
+  hit |= exponent_hits<U, Exponent>(data, begin + k_streams * per_stream, end);
   return hit != 0;
 }
 
